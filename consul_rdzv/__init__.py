@@ -1,0 +1,1 @@
+"""consul-rdzv: a HashiCorp Consul rendezvous backend for torch.distributed.elastic."""

@@ -1,0 +1,500 @@
+"""A thin, typed client for the parts of Consul's HTTP API the rendezvous needs.
+
+Design rules (see docs/client.md):
+
+* Every HTTP call has a timeout. A blocking query's read timeout is ``wait + wait/16 + slack``
+  because the server adds up to wait/16 of jitter.
+* Consul's answers become typed exceptions in exactly one function, :func:`_raise_for`.
+* Retries live in one place, :meth:`ConsulClient._call`: only ``ConsulUnavailableError`` is
+  retried, with jittered exponential backoff, until the call's monotonic deadline.
+* The ACL token travels only in the ``X-Consul-Token`` header; it is never logged or shown.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import random
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+from requests.adapters import HTTPAdapter
+
+from .config import ConsulConfig
+from .errors import (
+    ConsulBadRequest,
+    ConsulConfigError,
+    ConsulError,
+    ConsulNotFound,
+    ConsulPermissionDenied,
+    ConsulSessionInvalid,
+    ConsulTxnConflict,
+    ConsulUnavailableError,
+    TxnOpError,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_TXN_OPS = 64
+MAX_TXN_BYTES = 512 * 1024
+MAX_VALUE_BYTES = 512 * 1024
+
+#: Extra read-timeout slack for blocking queries, on top of wait + wait/16.
+BLOCKING_SLACK = 5.0
+
+
+@dataclass(frozen=True)
+class KVEntry:
+    key: str
+    value: bytes | None
+    create_index: int
+    modify_index: int
+    lock_index: int
+    flags: int
+    session: str | None
+
+    @classmethod
+    def from_json(cls, item: dict) -> KVEntry:
+        raw = item.get("Value")
+        return cls(
+            key=item["Key"],
+            value=base64.b64decode(raw) if raw is not None else None,
+            create_index=int(item.get("CreateIndex", 0)),
+            modify_index=int(item.get("ModifyIndex", 0)),
+            lock_index=int(item.get("LockIndex", 0)),
+            flags=int(item.get("Flags", 0)),
+            session=item.get("Session") or None,
+        )
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    """What a (possibly blocking) read returned, with the ``X-Consul-Index`` to block on next."""
+
+    index: int
+    data: Any
+
+
+class BlockingIndex:
+    """Tracks the index of one blocking query by Consul's rules.
+
+    * never send an index below 1 (0 or a missing header means "do not block");
+    * when the returned index goes backwards (state reset, snapshot restore), start over from 0;
+    * a return is not a change: callers compare data, not the fact that the call came back.
+    """
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+
+    def update(self, returned: int) -> bool:
+        """Record a returned index; return True when it went backwards (a reset)."""
+        if returned < self.index:
+            self.index = 0
+            return True
+        self.index = max(returned, 0)
+        return False
+
+    @property
+    def param(self) -> int | None:
+        return self.index if self.index >= 1 else None
+
+
+def _duration(seconds: float) -> str:
+    ms = max(1, int(round(seconds * 1000)))
+    return f"{ms}ms"
+
+
+_LACKS = re.compile(r"lacks permission '(?P<res>[a-z_]+):(?P<access>[a-z]+)' on \"(?P<on>[^\"]*)\"")
+
+
+def _acl_hint(text: str) -> str:
+    m = _LACKS.search(text)
+    if not m:
+        return (
+            "Give the job a token (CONSUL_HTTP_TOKEN or CONSUL_HTTP_TOKEN_FILE) whose policy "
+            "grants key_prefix, session and service write on the run's names."
+        )
+    res, access, on = m.group("res"), m.group("access"), m.group("on")
+    rule_kind = {"key": "key_prefix", "service": "service_prefix", "session": "session_prefix",
+                 "node": "node_prefix"}.get(res, res)
+    return (f"The token needs the ACL rule {rule_kind} \"{on}\" {{ policy = \"{access}\" }} "
+            "(or a prefix rule that covers it).")
+
+
+def _body_text(resp: requests.Response) -> str:
+    text = (resp.text or "").strip()
+    return text[:500]
+
+
+def _raise_for(resp: requests.Response, what: str) -> None:
+    """Map a Consul HTTP answer onto the ConsulError tree. The one place that does this."""
+    status = resp.status_code
+    if status < 400:
+        return
+    text = _body_text(resp)
+    lowered = text.lower()
+    if status == 403:
+        raise ConsulPermissionDenied(
+            f"Consul denied {what}: {text or 'permission denied'}. {_acl_hint(text)}", status=status
+        )
+    if status == 404:
+        if "session" in lowered and ("not found" in lowered or "invalid" in lowered):
+            raise ConsulSessionInvalid(f"{what}: {text}", status=status)
+        raise ConsulNotFound(f"{what}: {text or 'not found'}", status=status)
+    if status == 409 and what.startswith("PUT /v1/txn"):
+        raise _txn_conflict(resp)
+    if "invalid session" in lowered or "session" in lowered and "does not exist" in lowered:
+        raise ConsulSessionInvalid(f"{what}: {text}", status=status)
+    if status in (400, 405, 409, 413):
+        raise ConsulBadRequest(f"Consul rejected {what} ({status}): {text}", status=status)
+    if status == 429:
+        raise ConsulUnavailableError(f"Consul rate-limited {what} (429): {text}", status=status)
+    if status >= 500:
+        raise ConsulUnavailableError(f"Consul failed {what} ({status}): {text}", status=status)
+    raise ConsulError(f"Unexpected answer to {what} ({status}): {text}", status=status)
+
+
+def _txn_conflict(resp: requests.Response) -> ConsulTxnConflict:
+    try:
+        body = resp.json()
+    except ValueError:
+        return ConsulTxnConflict([TxnOpError(-1, _body_text(resp))])
+    errors = [
+        TxnOpError(int(e.get("OpIndex", -1)), str(e.get("What", "")))
+        for e in (body or {}).get("Errors") or []
+    ]
+    return ConsulTxnConflict(errors)
+
+
+class _TLSAdapter(HTTPAdapter):
+    """An adapter that checks the server certificate against a fixed name (and sends it as SNI)."""
+
+    def __init__(self, server_name: str | None, **kwargs: Any) -> None:
+        self._server_name = server_name
+        super().__init__(**kwargs)
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        if self._server_name:
+            kwargs["server_hostname"] = self._server_name
+            kwargs["assert_hostname"] = self._server_name
+        super().init_poolmanager(*args, **kwargs)
+
+
+def txn_kv(verb: str, key: str, *, value: bytes | None = None, index: int | None = None,
+           session: str | None = None) -> dict:
+    """Build one ``KV`` operation for :meth:`ConsulClient.txn`."""
+    op: dict[str, Any] = {"Verb": verb, "Key": key}
+    if value is not None:
+        op["Value"] = base64.b64encode(value).decode("ascii")
+    if index is not None:
+        op["Index"] = index
+    if session is not None:
+        op["Session"] = session
+    return {"KV": op}
+
+
+class ConsulClient:
+    """Consul HTTP API client. Thread-safe; one per node is the intended use.
+
+    ``retry_timeout`` bounds how long a call keeps retrying transient failures when the caller
+    passes no deadline of its own. ``timeout`` is the connect/read timeout of non-blocking calls.
+    """
+
+    def __init__(
+        self,
+        config: ConsulConfig | None = None,
+        *,
+        timeout: float = 10.0,
+        retry_timeout: float = 30.0,
+        pool_size: int = 8,
+    ) -> None:
+        self.config = config or ConsulConfig.resolve()
+        self.timeout = timeout
+        self.retry_timeout = retry_timeout
+        self._session = requests.Session()
+        self._session.trust_env = False  # no proxies, no netrc: we talk to Consul only
+        adapter = _TLSAdapter(self.config.tls_server_name, pool_connections=2,
+                              pool_maxsize=pool_size, max_retries=0)
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
+        self._session.verify = self.config.verify
+        if self.config.client_cert:
+            self._session.cert = self.config.client_cert
+        self._session.headers["User-Agent"] = "consul-rdzv"
+        if self.config.token:
+            self._session.headers["X-Consul-Token"] = self.config.token
+        self._lock = threading.Lock()
+        self.request_counts: Counter[str] = Counter()
+
+    def __repr__(self) -> str:
+        return f"ConsulClient(url={self.config.url!r})"
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def requests_sent(self) -> int:
+        with self._lock:
+            return sum(self.request_counts.values())
+
+    def close(self) -> None:
+        self._session.close()
+
+    def _request(self, method: str, path: str, *, params: dict | None = None,
+                 body: Any = None, raw: bytes | None = None,
+                 read_timeout: float | None = None, ok_404: bool = False) -> requests.Response:
+        params = {k: v for k, v in (params or {}).items() if v is not None}
+        if self.config.datacenter and "dc" not in params and not path.startswith("/v1/agent/"):
+            params["dc"] = self.config.datacenter
+        what = f"{method} {path}"
+        with self._lock:
+            self.request_counts[f"{method} {path.split('/')[2] if path.count('/') > 1 else path}"] += 1
+        url = self.config.url + path
+        timeout = (min(self.timeout, 5.0), read_timeout or self.timeout)
+        try:
+            if raw is not None:
+                resp = self._session.request(method, url, params=params, data=raw, timeout=timeout)
+            else:
+                resp = self._session.request(
+                    method, url, params=params,
+                    data=None if body is None else json.dumps(body), timeout=timeout,
+                )
+        except requests.exceptions.SSLError as exc:
+            raise ConsulConfigError(
+                f"TLS handshake with Consul at {self.config.url} failed for {what}: "
+                f"{_short(exc)}. Check CONSUL_CACERT/CONSUL_CAPATH, CONSUL_TLS_SERVER_NAME and "
+                "the client certificate (CONSUL_CLIENT_CERT/CONSUL_CLIENT_KEY)."
+            ) from exc
+        except requests.exceptions.InvalidURL as exc:
+            raise ConsulConfigError(f"Invalid Consul URL {url!r}: {exc}") from exc
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+            raise ConsulUnavailableError(
+                f"Consul at {self.config.url} did not answer {what}: {_short(exc)}"
+            ) from exc
+        except requests.exceptions.RequestException as exc:
+            raise ConsulUnavailableError(f"{what} to {self.config.url} failed: {_short(exc)}") from exc
+        if resp.status_code == 400 and "Client sent an HTTP request to an HTTPS server" in resp.text:
+            raise ConsulConfigError(
+                f"Consul at {self.config.url} speaks HTTPS: use an https:// address or set "
+                "CONSUL_HTTP_SSL=true."
+            )
+        if not (ok_404 and resp.status_code == 404):
+            _raise_for(resp, what)
+        return resp
+
+    def _call(self, method: str, path: str, *, deadline: float | None = None,
+              **kwargs: Any) -> requests.Response:
+        """One request, retried on ``ConsulUnavailableError`` with backoff until ``deadline``."""
+        if deadline is None:
+            deadline = time.monotonic() + self.retry_timeout
+        delay = 0.02
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return self._request(method, path, **kwargs)
+            except ConsulError as exc:
+                if not exc.retryable:
+                    raise
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise
+                pause = min(remaining, delay * (0.5 + random.random()))
+                logger.debug("Retrying %s %s in %.2fs after attempt %d failed: %s",
+                             method, path, pause, attempt, exc)
+                time.sleep(pause)
+                delay = min(delay * 2, 2.0)
+
+    @staticmethod
+    def _index(resp: requests.Response) -> int:
+        try:
+            return int(resp.headers.get("X-Consul-Index", "0"))
+        except ValueError:
+            return 0
+
+    def _blocking_params(self, index: int | None, wait: float | None) -> tuple[dict, float]:
+        params: dict[str, Any] = {}
+        read_timeout = self.timeout
+        if index is not None and index >= 1 and wait is not None:
+            params["index"] = index
+            params["wait"] = _duration(wait)
+            read_timeout = wait + wait / 16 + BLOCKING_SLACK
+        return params, read_timeout
+
+    # ------------------------------------------------------------------ status / catalog
+
+    def status_leader(self, *, deadline: float | None = None) -> str:
+        return self._call("GET", "/v1/status/leader", deadline=deadline).json()
+
+    def catalog_nodes(self, *, deadline: float | None = None) -> list[dict]:
+        return self._call("GET", "/v1/catalog/nodes", deadline=deadline).json()
+
+    def catalog_service(self, name: str, *, deadline: float | None = None) -> list[dict]:
+        return self._call("GET", f"/v1/catalog/service/{name}", deadline=deadline).json()
+
+    def agent_self(self, *, deadline: float | None = None) -> dict:
+        return self._call("GET", "/v1/agent/self", deadline=deadline).json()
+
+    def health_service(self, name: str, *, passing: bool = True, index: int | None = None,
+                       wait: float | None = None, deadline: float | None = None) -> QueryResult:
+        params, read_timeout = self._blocking_params(index, wait)
+        if passing:
+            params["passing"] = "true"
+        resp = self._call("GET", f"/v1/health/service/{name}", params=params,
+                          read_timeout=read_timeout, deadline=deadline)
+        return QueryResult(self._index(resp), resp.json())
+
+    # ------------------------------------------------------------------ agent
+
+    def agent_service_register(self, definition: dict, *, replace_existing_checks: bool = True,
+                               deadline: float | None = None) -> None:
+        params = {"replace-existing-checks": "true"} if replace_existing_checks else None
+        self._call("PUT", "/v1/agent/service/register", params=params, body=definition,
+                   deadline=deadline)
+
+    def agent_service_deregister(self, service_id: str, *, deadline: float | None = None) -> None:
+        self._call("PUT", f"/v1/agent/service/deregister/{service_id}", deadline=deadline)
+
+    def agent_services(self, *, deadline: float | None = None) -> dict:
+        return self._call("GET", "/v1/agent/services", deadline=deadline).json()
+
+    def agent_checks(self, *, deadline: float | None = None) -> dict:
+        return self._call("GET", "/v1/agent/checks", deadline=deadline).json()
+
+    def agent_check_update(self, check_id: str, status: str = "pass", note: str = "", *,
+                           deadline: float | None = None) -> None:
+        """``status`` is one of pass, warn, fail (TTL checks)."""
+        if status not in ("pass", "warn", "fail"):
+            raise ValueError(f"check status must be pass, warn or fail, not {status!r}")
+        self._call("PUT", f"/v1/agent/check/{status}/{check_id}",
+                   params={"note": note or None}, deadline=deadline)
+
+    # ------------------------------------------------------------------ sessions
+
+    def session_create(self, *, name: str, service_checks: Iterable[str] = (),
+                       node_checks: Iterable[str] | None = None, behavior: str = "delete",
+                       lock_delay: str = "0s", ttl: str | None = None,
+                       deadline: float | None = None) -> str:
+        """Create a session; retries "Missing check/node registration" while the agent syncs."""
+        body: dict[str, Any] = {"Name": name, "Behavior": behavior, "LockDelay": lock_delay}
+        checks = [{"ID": c} for c in service_checks]
+        if checks:
+            body["ServiceChecks"] = checks
+        if node_checks is not None:
+            body["NodeChecks"] = list(node_checks)
+        if ttl:
+            body["TTL"] = ttl
+        return self._call("PUT", "/v1/session/create", body=body, deadline=deadline).json()["ID"]
+
+    def session_renew(self, session_id: str, *, deadline: float | None = None) -> dict:
+        resp = self._call("PUT", f"/v1/session/renew/{session_id}", deadline=deadline)
+        data = resp.json() or []
+        if not data:
+            raise ConsulSessionInvalid(f"session {session_id} does not exist")
+        return data[0]
+
+    def session_destroy(self, session_id: str, *, deadline: float | None = None) -> None:
+        self._call("PUT", f"/v1/session/destroy/{session_id}", deadline=deadline)
+
+    def session_info(self, session_id: str, *, deadline: float | None = None) -> dict | None:
+        data = self._call("GET", f"/v1/session/info/{session_id}", deadline=deadline).json()
+        return data[0] if data else None
+
+    # ------------------------------------------------------------------ KV
+
+    def kv_get(self, key: str, *, index: int | None = None, wait: float | None = None,
+               consistent: bool = False, deadline: float | None = None) -> QueryResult:
+        """One key. ``data`` is a :class:`KVEntry` or None when the key does not exist."""
+        params, read_timeout = self._blocking_params(index, wait)
+        if consistent:
+            params["consistent"] = ""
+        resp = self._call("GET", f"/v1/kv/{key}", params=params, read_timeout=read_timeout,
+                          deadline=deadline, ok_404=True)
+        if resp.status_code == 404:
+            return QueryResult(self._index(resp), None)
+        return QueryResult(self._index(resp), KVEntry.from_json(resp.json()[0]))
+
+    def kv_list(self, prefix: str, *, index: int | None = None, wait: float | None = None,
+                consistent: bool = False, deadline: float | None = None) -> QueryResult:
+        """Every key under ``prefix`` (``data`` is a list of :class:`KVEntry`, maybe empty)."""
+        params, read_timeout = self._blocking_params(index, wait)
+        params["recurse"] = ""
+        if consistent:
+            params["consistent"] = ""
+        resp = self._call("GET", f"/v1/kv/{prefix}", params=params, read_timeout=read_timeout,
+                          deadline=deadline, ok_404=True)
+        if resp.status_code == 404:
+            return QueryResult(self._index(resp), [])
+        return QueryResult(self._index(resp), [KVEntry.from_json(i) for i in resp.json()])
+
+    def kv_keys(self, prefix: str, *, separator: str | None = None,
+                deadline: float | None = None) -> list[str]:
+        params = {"keys": "", "separator": separator}
+        resp = self._call("GET", f"/v1/kv/{prefix}", params=params, deadline=deadline, ok_404=True)
+        return [] if resp.status_code == 404 else resp.json()
+
+    def kv_put(self, key: str, value: bytes, *, cas: int | None = None,
+               acquire: str | None = None, release: str | None = None,
+               flags: int | None = None, deadline: float | None = None) -> bool:
+        """Write a key. Returns Consul's true/false (false: CAS or lock not obtained)."""
+        if sum(x is not None for x in (cas, acquire, release)) > 1:
+            raise ValueError("cas, acquire and release cannot be combined on one write; use txn()")
+        _check_value(key, value)
+        params = {"cas": cas, "acquire": acquire, "release": release, "flags": flags}
+        resp = self._call("PUT", f"/v1/kv/{key}", params=params, raw=value, deadline=deadline)
+        return resp.json() is True
+
+    def kv_delete(self, key: str, *, cas: int | None = None, recurse: bool = False,
+                  deadline: float | None = None) -> bool:
+        params: dict[str, Any] = {"cas": cas}
+        if recurse:
+            params["recurse"] = ""
+        resp = self._call("DELETE", f"/v1/kv/{key}", params=params, deadline=deadline)
+        return resp.json() is True
+
+    def txn(self, ops: list[dict], *, deadline: float | None = None) -> QueryResult:
+        """Run up to 64 operations atomically.
+
+        ``data`` is the list of result KV entries (``KVEntry``; None for ops without one). A
+        rollback raises :class:`ConsulTxnConflict` naming every failed operation.
+        """
+        if not ops:
+            raise ValueError("a transaction needs at least one operation")
+        if len(ops) > MAX_TXN_OPS:
+            raise ValueError(f"a transaction takes at most {MAX_TXN_OPS} operations, not {len(ops)}")
+        payload = json.dumps(ops).encode()
+        if len(payload) > MAX_TXN_BYTES:
+            raise ValueError(f"a transaction is at most {MAX_TXN_BYTES} bytes, not {len(payload)}")
+        try:
+            resp = self._call("PUT", "/v1/txn", raw=payload, deadline=deadline)
+        except ConsulTxnConflict as exc:
+            for err in exc.errors:
+                if 0 <= err.op_index < len(ops):
+                    object.__setattr__(err, "op", ops[err.op_index])
+            raise
+        body = resp.json() or {}
+        results = []
+        for item in body.get("Results") or []:
+            kv = item.get("KV")
+            results.append(KVEntry.from_json(kv) if kv else None)
+        return QueryResult(self._index(resp), results)
+
+
+def _check_value(key: str, value: bytes) -> None:
+    if len(value) > MAX_VALUE_BYTES:
+        raise ValueError(f"value for {key!r} is {len(value)} bytes; Consul allows {MAX_VALUE_BYTES}")
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    # urllib3 errors repeat the pool repr; keep the informative tail.
+    m = re.search(r"\(Caused by (.*)\)\)?$", text)
+    if m:
+        text = m.group(1)
+    return text[:300]

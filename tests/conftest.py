@@ -1,0 +1,92 @@
+"""Fixtures: real Consul agents (dev, ACL, TLS, mTLS), a unique KV prefix per test, and the
+agent's log attached to the report of a failing test."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from consul_rdzv.testing import ConsulAgent
+
+#: Where CONSUL_HTTP_ADDR points when a test asked for no agent: a port nothing listens on, so
+#: that no test can reach a stray agent on 127.0.0.1:8500 by accident.
+NOWHERE = "127.0.0.1:9"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_consul_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("CONSUL_") and name not in ("CONSUL_BIN",):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("CONSUL_HTTP_ADDR", NOWHERE)
+
+
+def _agent(request, **kwargs):
+    agent = ConsulAgent(**kwargs).start()
+    request.addfinalizer(agent.close)
+    return agent
+
+
+@pytest.fixture(scope="session")
+def session_agent(request):
+    return _agent(request)
+
+
+@pytest.fixture(scope="session")
+def acl_agent(request):
+    return _agent(request, acl=True)
+
+
+@pytest.fixture(scope="session")
+def tls_agent(request):
+    return _agent(request, tls=True)
+
+
+@pytest.fixture(scope="session")
+def mtls_agent(request):
+    return _agent(request, verify_incoming=True)
+
+
+@pytest.fixture
+def agent(session_agent, monkeypatch):
+    """The shared dev agent, with CONSUL_HTTP_ADDR pointing at it for this test."""
+    monkeypatch.setenv("CONSUL_HTTP_ADDR", session_agent.address)
+    return session_agent
+
+
+@pytest.fixture
+def fresh_agent(request, monkeypatch):
+    """A dev agent of this test's own, for tests that stop, restart or freeze it."""
+    a = _agent(request)
+    monkeypatch.setenv("CONSUL_HTTP_ADDR", a.address)
+    return a
+
+
+@pytest.fixture
+def consul(agent):
+    client = agent.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def prefix(request):
+    """A KV prefix of this test's own."""
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    funcargs = getattr(item, "funcargs", {})
+    seen = set()
+    for name, value in funcargs.items():
+        for candidate in (value, getattr(value, "agent", None)):
+            if isinstance(candidate, ConsulAgent) and id(candidate) not in seen:
+                seen.add(id(candidate))
+                report.sections.append((f"consul agent log ({name})", candidate.log_text(8000)))
