@@ -1,0 +1,208 @@
+"""The KV layout of one run and the JSON values stored there (format version 1).
+
+``P = <key_prefix>/<run_id>``; docs/protocol.md is the prose version of this module.
+
+| key | held / written by | value |
+|---|---|---|
+| ``P/members/<node_id>`` | the node, locked by its session (deleted with it) | :class:`Member` |
+| ``P/round/leader`` | the coordinator, locked by its session | :class:`Leader` |
+| ``P/round/current`` | the coordinator (CAS), and ``close()`` (CAS) | :class:`Round` |
+
+Values are JSON objects carrying ``"v": 1``; anything else under the prefix is rejected with a
+``RendezvousStateError`` that names the key. Never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .client import KVEntry
+from .errors import RendezvousStateError
+
+FORMAT_VERSION = 1
+
+
+class Keys:
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.members = f"{prefix}/members/"
+        self.round_dir = f"{prefix}/round/"
+        self.leader = f"{prefix}/round/leader"
+        self.round = f"{prefix}/round/current"
+
+    def member(self, node_id: str) -> str:
+        return self.members + node_id
+
+    def __repr__(self) -> str:
+        return f"Keys({self.prefix!r})"
+
+
+def _decode(entry: KVEntry, what: str) -> dict[str, Any]:
+    raw = entry.value or b""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RendezvousStateError(
+            f"Consul key {entry.key!r} does not hold consul-rdzv {what} state ({exc}). Another "
+            "program may be using this prefix: delete the key (consul kv delete) or pick another "
+            "run id or key_prefix."
+        ) from None
+    if not isinstance(data, dict) or data.get("v") != FORMAT_VERSION:
+        version = data.get("v") if isinstance(data, dict) else None
+        raise RendezvousStateError(
+            f"Consul key {entry.key!r} holds {what} state of format version {version!r}; this "
+            f"consul-rdzv reads version {FORMAT_VERSION}. Run every node with the same "
+            "consul-rdzv release, or delete the key."
+        )
+    return data
+
+
+def _encode(obj: Any) -> bytes:
+    data = {"v": FORMAT_VERSION, **asdict(obj)}
+    return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+
+
+@dataclass
+class Member:
+    node: str
+    host: str
+    pid: int
+    want: int = 0  # lowest round number this node can join (last round it saw + 1)
+    rank: int | None = None  # explicit rank request
+    endpoint: dict | None = None  # where this node would host the trainer store as rank 0
+    meta: dict = field(default_factory=dict)
+    nonce: str = ""
+    # filled from the KV entry, not stored
+    create_index: int = field(default=0, compare=False)
+    modify_index: int = field(default=0, compare=False)
+    session: str | None = field(default=None, compare=False)
+
+    def encode(self) -> bytes:
+        data = asdict(self)
+        for k in ("create_index", "modify_index", "session"):
+            data.pop(k)
+        return json.dumps({"v": FORMAT_VERSION, **data}, separators=(",", ":"),
+                          sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, entry: KVEntry) -> Member:
+        data = _decode(entry, "member")
+        try:
+            return cls(
+                node=str(data["node"]), host=str(data.get("host", "")), pid=int(data.get("pid", 0)),
+                want=int(data.get("want", 0)),
+                rank=None if data.get("rank") is None else int(data["rank"]),
+                endpoint=data.get("endpoint"), meta=dict(data.get("meta") or {}),
+                nonce=str(data.get("nonce", "")), create_index=entry.create_index,
+                modify_index=entry.modify_index, session=entry.session,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RendezvousStateError(
+                f"Consul key {entry.key!r} holds a malformed member value ({exc!r})."
+            ) from None
+
+
+@dataclass
+class Leader:
+    node: str
+    session: str
+    since: float
+
+    def encode(self) -> bytes:
+        return _encode(self)
+
+    @classmethod
+    def decode(cls, entry: KVEntry) -> Leader:
+        data = _decode(entry, "leader")
+        return cls(node=str(data.get("node", "")), session=str(data.get("session", "")),
+                   since=float(data.get("since", 0.0)))
+
+
+@dataclass
+class Round:
+    """A sealed round (``ranks`` non-empty) or just the closed marker (``round`` 0)."""
+
+    round: int = 0
+    ranks: list[str] = field(default_factory=list)  # node ids; index = rank
+    hosts: list[str] = field(default_factory=list)
+    store: dict | None = None  # {"host": ..., "port": ...} of rank 0's trainer store
+    members_index: int = 0  # X-Consul-Index of the member snapshot the round was sealed from
+    coordinator: str = ""
+    seal_id: str = ""
+    first_join: float = 0.0  # wall-clock figures for the benchmark
+    quorum_at: float = 0.0
+    sealed_at: float = 0.0
+    closed: dict | None = None  # {"reason": ..., "at": ..., "by": ...}
+    modify_index: int = field(default=0, compare=False)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def encode(self) -> bytes:
+        data = asdict(self)
+        data.pop("modify_index")
+        return json.dumps({"v": FORMAT_VERSION, **data}, separators=(",", ":"),
+                          sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, entry: KVEntry) -> Round:
+        data = _decode(entry, "round")
+        try:
+            ranks = [str(n) for n in data.get("ranks") or []]
+            if len(set(ranks)) != len(ranks):
+                raise ValueError("a node appears twice in ranks")
+            return cls(
+                round=int(data.get("round", 0)), ranks=ranks,
+                hosts=[str(h) for h in data.get("hosts") or []], store=data.get("store"),
+                members_index=int(data.get("members_index", 0)),
+                coordinator=str(data.get("coordinator", "")), seal_id=str(data.get("seal_id", "")),
+                first_join=float(data.get("first_join", 0.0)),
+                quorum_at=float(data.get("quorum_at", 0.0)),
+                sealed_at=float(data.get("sealed_at", 0.0)), closed=data.get("closed"),
+                modify_index=entry.modify_index,
+            )
+        except (TypeError, ValueError) as exc:
+            raise RendezvousStateError(
+                f"Consul key {entry.key!r} holds a malformed round value ({exc})."
+            ) from None
+
+
+@dataclass
+class RunState:
+    """Everything under ``P/`` at one index."""
+
+    members: dict[str, Member] = field(default_factory=dict)
+    leader: Leader | None = None
+    leader_session: str | None = None
+    round: Round | None = None
+
+    @classmethod
+    def parse(cls, keys: Keys, entries: list[KVEntry]) -> RunState:
+        state = cls()
+        for entry in entries:
+            if entry.key.startswith(keys.members):
+                node = entry.key[len(keys.members):]
+                member = Member.decode(entry)
+                if member.node != node:
+                    raise RendezvousStateError(
+                        f"Consul key {entry.key!r} claims node {member.node!r}; the key and the "
+                        "value must name the same node."
+                    )
+                state.members[node] = member
+            elif entry.key == keys.leader:
+                state.leader_session = entry.session
+                if entry.session and entry.value:
+                    state.leader = Leader.decode(entry)
+            elif entry.key == keys.round:
+                state.round = Round.decode(entry)
+            elif entry.key.endswith("/"):
+                continue  # folder markers made by the UI
+            else:
+                raise RendezvousStateError(
+                    f"Unexpected Consul key {entry.key!r} under the run's prefix {keys.prefix!r}. "
+                    "Delete it or use another run id / key_prefix."
+                )
+        return state

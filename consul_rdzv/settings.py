@@ -1,0 +1,200 @@
+"""Validated rendezvous settings, and their parsing from torchrun's ``--rdzv-conf`` strings.
+
+All timeouts live here, in seconds. Bad values fail early with a ValueError naming the key.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+
+from .ranks import POLICIES
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_KEY_PREFIX = re.compile(r"^[A-Za-z0-9_.\-/]{1,200}$")
+_META_KEY = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """Everything one node needs to know about the run it joins.
+
+    ``heartbeat_timeout`` is the TTL of the node's Consul health check: a node that stops passing
+    it for that long is dead, its session is invalidated and its member key deleted.
+    ``keep_alive_interval`` (default a third of it) is how often the check is passed.
+    ``consul_timeout`` is how long a Consul outage is ridden out (retries with backoff) before a
+    call gives up with a connection error.
+    """
+
+    run_id: str
+    min_nodes: int = 1
+    max_nodes: int = 1
+    key_prefix: str = "torchelastic"
+    service_name: str | None = None
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    close_timeout: float = 30.0
+    heartbeat_timeout: float = 5.0
+    keep_alive_interval: float | None = None
+    consul_timeout: float = 10.0
+    rank_policy: str = "stable"
+    topology_keys: tuple[str, ...] = ()
+    node_rank: int | None = None
+    node_meta: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id):
+            raise ValueError(
+                f"run_id {self.run_id!r} is invalid: use 1-128 characters of letters, digits, "
+                "'_', '.' or '-'."
+            )
+        if not _KEY_PREFIX.match(self.key_prefix) or self.key_prefix.startswith("/") \
+                or self.key_prefix.endswith("/") or "//" in self.key_prefix:
+            raise ValueError(
+                f"key_prefix {self.key_prefix!r} is invalid: use letters, digits, '_', '.', '-' "
+                "and single '/' separators, with no leading or trailing '/'."
+            )
+        if not isinstance(self.min_nodes, int) or self.min_nodes < 1:
+            raise ValueError(f"min_nodes must be an integer >= 1, not {self.min_nodes!r}.")
+        if not isinstance(self.max_nodes, int) or self.max_nodes < self.min_nodes:
+            raise ValueError(
+                f"max_nodes ({self.max_nodes!r}) must be an integer >= min_nodes ({self.min_nodes})."
+            )
+        for name in ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+                     "consul_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}.")
+        if self.heartbeat_timeout < 1:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout}) must be at least 1 second: it is "
+                "the TTL of the node's Consul health check."
+            )
+        if self.keep_alive_interval is not None and not (
+            0 < self.keep_alive_interval < self.heartbeat_timeout
+        ):
+            raise ValueError(
+                f"keep_alive_interval ({self.keep_alive_interval}) must be positive and below "
+                f"heartbeat_timeout ({self.heartbeat_timeout})."
+            )
+        if self.rank_policy not in POLICIES:
+            raise ValueError(
+                f"rank_policy {self.rank_policy!r} is unknown; choose one of {', '.join(POLICIES)}."
+            )
+        if self.rank_policy == "topology" and not self.topology_keys:
+            raise ValueError("rank_policy 'topology' needs topology_keys (e.g. 'zone:rack').")
+        for key in self.topology_keys:
+            if not _META_KEY.match(key):
+                raise ValueError(f"topology key {key!r} is invalid: use [A-Za-z0-9_-], 1-128 chars.")
+        if self.rank_policy == "explicit":
+            if self.node_rank is None:
+                raise ValueError("rank_policy 'explicit' needs node_rank for this node.")
+            if not 0 <= self.node_rank < self.max_nodes:
+                raise ValueError(
+                    f"node_rank {self.node_rank} is outside 0..{self.max_nodes - 1} (max_nodes)."
+                )
+        for key, value in self.node_meta.items():
+            if not _META_KEY.match(str(key)) or len(str(value)) > 512:
+                raise ValueError(
+                    f"node meta {key!r}={value!r} is invalid: keys are 1-128 chars of "
+                    "[A-Za-z0-9_-], values at most 512 chars."
+                )
+
+    @property
+    def service(self) -> str:
+        return self.service_name or f"torchelastic-{self.run_id}"
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.key_prefix}/{self.run_id}"
+
+    @property
+    def heartbeat_interval(self) -> float:
+        return self.keep_alive_interval or self.heartbeat_timeout / 3
+
+    def with_(self, **changes) -> RendezvousSettings:
+        return replace(self, **changes)
+
+
+#: ``--rdzv-conf`` keys that map onto settings fields, with their parsers.
+_FLOAT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+               "keep_alive_interval", "consul_timeout")
+#: Keys the torch adapter reads itself (Consul connection), listed here so one table is the truth.
+CONNECTION_KEYS = ("token_file", "datacenter", "ca_file", "ca_path", "client_cert", "client_key",
+                   "tls_server_name", "ssl", "local_addr")
+#: Keys accepted for drop-in compatibility with torch's c10d backend and ignored, with why.
+IGNORED_KEYS = {
+    "keep_alive_max_attempt": "liveness is the Consul check TTL (heartbeat_timeout)",
+    "is_host": "the trainer store always runs on rank 0",
+    "use_libuv": "the trainer store uses torch's default TCPStore backend",
+    "store_type": "the rendezvous state lives in Consul",
+    "read_timeout": "Consul calls have their own timeouts (consul_timeout)",
+}
+SETTINGS_KEYS = (*_FLOAT_KEYS, "timeout", "key_prefix", "service_name", "rank_policy",
+                 "topology_keys", "node_rank", "node_meta")
+VALID_KEYS = tuple(sorted({*SETTINGS_KEYS, *CONNECTION_KEYS, *IGNORED_KEYS}))
+
+
+def _float(key: str, value) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"rdzv conf {key}={value!r} is not a number of seconds.") from None
+    return number
+
+
+def settings_from_conf(run_id: str, min_nodes: int, max_nodes: int,
+                       conf: Mapping[str, object]) -> RendezvousSettings:
+    """Build settings from ``--rdzv-conf`` style values (strings, or already typed).
+
+    ``join_timeout`` wins over ``timeout`` when both are given (torchrun always injects
+    ``timeout=900``; c10d ignores it, we use it only when ``join_timeout`` is absent).
+    """
+    unknown = sorted(set(conf) - set(VALID_KEYS))
+    if unknown:
+        raise ValueError(
+            f"Unknown rdzv conf key(s) {', '.join(unknown)}. Valid keys: {', '.join(VALID_KEYS)}."
+        )
+    kwargs: dict = {}
+    for key in _FLOAT_KEYS:
+        if conf.get(key) not in (None, ""):
+            kwargs[key] = _float(key, conf[key])
+    if "join_timeout" not in kwargs and conf.get("timeout") not in (None, ""):
+        kwargs["join_timeout"] = _float("timeout", conf["timeout"])
+    for key in ("key_prefix", "service_name", "rank_policy"):
+        if conf.get(key) not in (None, ""):
+            kwargs[key] = str(conf[key])
+    if conf.get("topology_keys") not in (None, ""):
+        raw = conf["topology_keys"]
+        keys = raw if isinstance(raw, list | tuple) else re.split(r"[:;\s]+", str(raw))
+        kwargs["topology_keys"] = tuple(k for k in keys if k)
+    if conf.get("node_rank") not in (None, ""):
+        try:
+            kwargs["node_rank"] = int(conf["node_rank"])
+        except (TypeError, ValueError):
+            raise ValueError(f"rdzv conf node_rank={conf['node_rank']!r} is not an integer.") \
+                from None
+    if conf.get("node_meta") not in (None, ""):
+        raw = conf["node_meta"]
+        if isinstance(raw, Mapping):
+            kwargs["node_meta"] = dict(raw)
+        else:
+            meta = {}
+            for item in re.split(r"[;\s]+", str(raw)):
+                if not item:
+                    continue
+                if "=" not in item:
+                    raise ValueError(
+                        f"rdzv conf node_meta item {item!r} is not key=value "
+                        "(separate items with ';', e.g. node_meta='zone=a;rack=r1')."
+                    )
+                k, v = item.split("=", 1)
+                meta[k] = v
+            kwargs["node_meta"] = meta
+    return RendezvousSettings(run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes, **kwargs)
+
+
+def settings_field_names() -> list[str]:
+    return [f.name for f in fields(RendezvousSettings)]
