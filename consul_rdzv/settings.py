@@ -123,7 +123,7 @@ _FLOAT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_
                "keep_alive_interval", "consul_timeout")
 #: Keys the torch adapter reads itself (Consul connection), listed here so one table is the truth.
 CONNECTION_KEYS = ("token_file", "datacenter", "ca_file", "ca_path", "client_cert", "client_key",
-                   "tls_server_name", "ssl", "local_addr")
+                   "tls_server_name", "ssl", "local_addr", "node_id")
 #: Keys accepted for drop-in compatibility with torch's c10d backend and ignored, with why.
 IGNORED_KEYS = {
     "keep_alive_max_attempt": "liveness is the Consul check TTL (heartbeat_timeout)",

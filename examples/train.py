@@ -1,0 +1,76 @@
+"""A small DDP training job on gloo (CPU) for torchrun, used by the demo and the end-to-end tests.
+
+Every rank trains the same tiny model on the same deterministic data for --steps steps and prints
+one JSON line: rank, world size, restart count, and a checksum of the final parameters. DDP keeps
+the parameters identical on every rank, so all ranks of a finished job print the same checksum.
+
+    torchrun --rdzv-backend consul --rdzv-endpoint 127.0.0.1:8500 --nnodes 3 \
+        --nproc-per-node 1 --rdzv-id demo examples/train.py --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--step-time", type=float, default=0.0,
+                        help="seconds to sleep per step (stretches the job for failure tests)")
+    parser.add_argument("--out", default="", help="directory for a result JSON file per rank")
+    parser.add_argument("--fail-once", default="",
+                        help="RANK:STEP: that rank exits 1 at that step, once (marker file in --out)")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    group_rank = int(os.environ.get("GROUP_RANK", "0"))
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    fail_rank, fail_step = (int(x) for x in args.fail_once.split(":")) if args.fail_once \
+        else (-1, -1)
+    marker = Path(args.out or ".") / "failed-once"
+    for step in range(args.steps):
+        if rank == fail_rank and step == fail_step and not marker.exists():
+            marker.write_text(f"rank {rank} failed at step {step}\n")
+            print(f"rank {rank}: injected failure at step {step}", file=sys.stderr, flush=True)
+            return 1
+        x = torch.randn(32, 16, generator=gen)
+        y = x[:, :4].sin()
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if args.step_time:
+            time.sleep(args.step_time)
+
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    loss = float(loss.detach())
+    result = {"rank": rank, "world_size": world, "group_rank": group_rank,
+              "restarts": restarts, "checksum": round(checksum, 10), "loss": loss,
+              "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"}
+    print(json.dumps(result), flush=True)
+    if args.out:
+        Path(args.out, f"rank-{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
