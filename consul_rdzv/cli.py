@@ -118,7 +118,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             cmd = [*torchrun, f"--nnodes={args.nodes}", "--nproc-per-node=1",
                    "--rdzv-backend=consul", f"--rdzv-id={run_id}",
                    f"--rdzv-endpoint={url}", "--local-addr=127.0.0.1",
-                   "--rdzv-conf=node_id=demo-node-%d" % i,
+                   f"--rdzv-conf=node_id=demo-node-{i}",
                    str(script), "--steps", str(args.steps), "--out", out]
             log = open(Path(out) / f"agent-{i}.log", "w")  # noqa: SIM115 - closed below
             procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT),

@@ -87,7 +87,8 @@ def assign(selected: Sequence[Candidate], previous: Mapping[str, int], policy: s
             ranks[old] = c.node
         else:
             rest.append(c)
-    rest.sort(key=lambda c: (0, previous[c.node], 0) if c.node in previous else (1, 0, c.join_order))
+    rest.sort(key=lambda c: (0, previous[c.node], 0) if c.node in previous
+              else (1, 0, c.join_order))
     holes = iter(i for i, n in enumerate(ranks) if n is None)
     for c in rest:
         ranks[next(holes)] = c.node

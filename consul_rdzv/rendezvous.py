@@ -515,7 +515,8 @@ class ConsulRendezvous:
                 logger.debug("Coordinator %s of run %s waits: %s.", self.node_id, self.run_id,
                              plan.reason)
                 continue
-            sealed = self._seal(state, plan.seal, res.index, first_seen, deadline)
+            quorum_at = time.time() - (time.monotonic() - (quorum_since or time.monotonic()))
+            sealed = self._seal(state, plan.seal, res.index, first_seen, quorum_at, deadline)
             if sealed is not None:
                 if self.node_id in sealed.ranks:
                     return self._result(sealed)
@@ -529,7 +530,7 @@ class ConsulRendezvous:
         return max(wait, 0.001)
 
     def _seal(self, state: RunState, order: list[str], snapshot_index: int, first_seen: float,
-              deadline: float) -> Round | None:
+              quorum_at: float, deadline: float) -> Round | None:
         previous = state.round
         number = max([previous.round + 1 if previous else 1,
                       *(state.members[n].want for n in order)])
@@ -537,7 +538,8 @@ class ConsulRendezvous:
         sealed = Round(
             round=number, ranks=order, hosts=[state.members[n].host for n in order],
             store=rank0.endpoint, members_index=snapshot_index, coordinator=self.node_id,
-            seal_id=uuid.uuid4().hex, first_join=first_seen, sealed_at=time.time(),
+            seal_id=uuid.uuid4().hex, first_join=first_seen, quorum_at=quorum_at,
+            sealed_at=time.time(),
         )
         ops = [txn_kv("check-session", self.keys.leader, session=self._session),
                txn_kv("cas", self.keys.round, value=sealed.encode(),
@@ -559,7 +561,8 @@ class ConsulRendezvous:
             world_size=current.world_size, participants=list(current.ranks),
             hosts=list(current.hosts), store=current.store, coordinator=current.coordinator,
             seal_id=current.seal_id, members_index=current.members_index,
-            timings={"first_join": current.first_join, "sealed": current.sealed_at},
+            timings={"first_join": current.first_join, "quorum": current.quorum_at,
+                     "sealed": current.sealed_at},
         )
 
     def _drop_member(self) -> None:

@@ -60,7 +60,8 @@ class RendezvousSettings:
             raise ValueError(f"min_nodes must be an integer >= 1, not {self.min_nodes!r}.")
         if not isinstance(self.max_nodes, int) or self.max_nodes < self.min_nodes:
             raise ValueError(
-                f"max_nodes ({self.max_nodes!r}) must be an integer >= min_nodes ({self.min_nodes})."
+                f"max_nodes ({self.max_nodes!r}) must be an integer >= min_nodes "
+                f"({self.min_nodes})."
             )
         for name in ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
                      "consul_timeout"):
@@ -87,7 +88,9 @@ class RendezvousSettings:
             raise ValueError("rank_policy 'topology' needs topology_keys (e.g. 'zone:rack').")
         for key in self.topology_keys:
             if not _META_KEY.match(key):
-                raise ValueError(f"topology key {key!r} is invalid: use [A-Za-z0-9_-], 1-128 chars.")
+                raise ValueError(
+                    f"topology key {key!r} is invalid: use [A-Za-z0-9_-], 1-128 chars."
+                )
         if self.rank_policy == "explicit":
             if self.node_rank is None:
                 raise ValueError("rank_policy 'explicit' needs node_rank for this node.")

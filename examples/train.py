@@ -30,7 +30,8 @@ def main() -> int:
                         help="seconds to sleep per step (stretches the job for failure tests)")
     parser.add_argument("--out", default="", help="directory for a result JSON file per rank")
     parser.add_argument("--fail-once", default="",
-                        help="RANK:STEP: that rank exits 1 at that step, once (marker file in --out)")
+                        help="RANK:STEP: that rank exits 1 at that step, once "
+                             "(marker file in --out)")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
