@@ -107,7 +107,7 @@ class BlockingIndex:
 
 
 def _duration(seconds: float) -> str:
-    ms = max(1, int(round(seconds * 1000)))
+    ms = max(1, round(seconds * 1000))
     return f"{ms}ms"
 
 
@@ -133,6 +133,15 @@ def _body_text(resp: requests.Response) -> str:
     return text[:500]
 
 
+#: Validation errors that Consul's RPC layer answers with a 500: permanent, not an outage, so
+#: they must not be retried (and "Invalid Session TTL" is no invalidated session).
+_PERMANENT_500 = re.compile(
+    r"Invalid Behavior setting|Session TTL '.*' invalid|Invalid Session TTL|"
+    r"Invalid session operation|Must provide (ID|Node)",
+    re.IGNORECASE,
+)
+
+
 def _raise_for(resp: requests.Response, what: str) -> None:
     """Map a Consul HTTP answer onto the ConsulError tree. The one place that does this."""
     status = resp.status_code
@@ -150,7 +159,9 @@ def _raise_for(resp: requests.Response, what: str) -> None:
         raise ConsulNotFound(f"{what}: {text or 'not found'}", status=status)
     if status == 409 and what.startswith("PUT /v1/txn"):
         raise _txn_conflict(resp)
-    if "invalid session" in lowered or "session" in lowered and "does not exist" in lowered:
+    if status >= 500 and _PERMANENT_500.search(text):
+        raise ConsulBadRequest(f"Consul rejected {what} ({status}): {text}", status=status)
+    if "invalid session" in lowered or ("session" in lowered and "does not exist" in lowered):
         raise ConsulSessionInvalid(f"{what}: {text}", status=status)
     if status in (400, 405, 409, 413):
         raise ConsulBadRequest(f"Consul rejected {what} ({status}): {text}", status=status)
@@ -254,7 +265,8 @@ class ConsulClient:
             params["dc"] = self.config.datacenter
         what = f"{method} {path}"
         with self._lock:
-            self.request_counts[f"{method} {path.split('/')[2] if path.count('/') > 1 else path}"] += 1
+            group = path.split("/")[2] if path.count("/") > 1 else path
+            self.request_counts[f"{method} {group}"] += 1
         url = self.config.url + path
         timeout = (min(self.timeout, 5.0), read_timeout or self.timeout)
         try:
@@ -278,8 +290,11 @@ class ConsulClient:
                 f"Consul at {self.config.url} did not answer {what}: {_short(exc)}"
             ) from exc
         except requests.exceptions.RequestException as exc:
-            raise ConsulUnavailableError(f"{what} to {self.config.url} failed: {_short(exc)}") from exc
-        if resp.status_code == 400 and "Client sent an HTTP request to an HTTPS server" in resp.text:
+            raise ConsulUnavailableError(
+                f"{what} to {self.config.url} failed: {_short(exc)}"
+            ) from exc
+        if (resp.status_code == 400
+                and "Client sent an HTTP request to an HTTPS server" in resp.text):
             raise ConsulConfigError(
                 f"Consul at {self.config.url} speaks HTTPS: use an https:// address or set "
                 "CONSUL_HTTP_SSL=true."
@@ -461,13 +476,17 @@ class ConsulClient:
     def txn(self, ops: list[dict], *, deadline: float | None = None) -> QueryResult:
         """Run up to 64 operations atomically.
 
-        ``data`` is the list of result KV entries (``KVEntry``; None for ops without one). A
-        rollback raises :class:`ConsulTxnConflict` naming every failed operation.
+        ``data`` is the list of result KV entries (``KVEntry``; None for a non-KV result). It is
+        not aligned with ``ops``: Consul returns no result for ``delete*`` and
+        ``check-not-exists``, one per entry for ``get-tree``, and one for every other KV verb.
+        A rollback raises :class:`ConsulTxnConflict` naming every failed operation.
         """
         if not ops:
             raise ValueError("a transaction needs at least one operation")
         if len(ops) > MAX_TXN_OPS:
-            raise ValueError(f"a transaction takes at most {MAX_TXN_OPS} operations, not {len(ops)}")
+            raise ValueError(
+                f"a transaction takes at most {MAX_TXN_OPS} operations, not {len(ops)}"
+            )
         payload = json.dumps(ops).encode()
         if len(payload) > MAX_TXN_BYTES:
             raise ValueError(f"a transaction is at most {MAX_TXN_BYTES} bytes, not {len(payload)}")
@@ -488,7 +507,9 @@ class ConsulClient:
 
 def _check_value(key: str, value: bytes) -> None:
     if len(value) > MAX_VALUE_BYTES:
-        raise ValueError(f"value for {key!r} is {len(value)} bytes; Consul allows {MAX_VALUE_BYTES}")
+        raise ValueError(
+            f"value for {key!r} is {len(value)} bytes; Consul allows {MAX_VALUE_BYTES}"
+        )
 
 
 def _short(exc: BaseException) -> str:

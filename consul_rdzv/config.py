@@ -90,6 +90,8 @@ def normalize_address(address: str, *, use_ssl: bool = False) -> str:
         host = f"[{host}]"
     if port is None:
         port = 8501 if parts.scheme == "https" else 8500
+    elif port == 0:
+        raise ConsulConfigError(f"Consul address {address!r} has port 0; give the agent's port.")
     return f"{parts.scheme}://{host}:{port}"
 
 
@@ -103,6 +105,17 @@ class ConsulConfig:
     verify: bool | str = True
     client_cert: tuple[str, str] | None = None
     tls_server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        # An HTTP header cannot carry whitespace or control characters; requests would reject
+        # the token on every call with an error that quotes it. Refuse it here without echoing.
+        if self.token is not None and any(
+            ch.isspace() or not ch.isprintable() or ord(ch) > 0x7E for ch in self.token
+        ):
+            raise ConsulConfigError(
+                "The Consul ACL token contains whitespace, control or non-ASCII characters (a "
+                "stray newline from a file?); give the bare token."
+            )
 
     def __repr__(self) -> str:
         return (
@@ -145,14 +158,15 @@ class ConsulConfig:
         addr, _ = pick(address, "CONSUL_HTTP_ADDR")
         url = normalize_address(addr or DEFAULT_ADDRESS, use_ssl=bool(ssl_value))
 
-        if token:
-            resolved_token: str | None = token
+        if token and token.strip():
+            resolved_token: str | None = token.strip()
         elif token_file:
             resolved_token = _read_token_file(token_file, "argument token_file")
         elif env.get("CONSUL_HTTP_TOKEN"):
             resolved_token = env["CONSUL_HTTP_TOKEN"].strip()
         elif env.get("CONSUL_HTTP_TOKEN_FILE"):
-            resolved_token = _read_token_file(env["CONSUL_HTTP_TOKEN_FILE"], "CONSUL_HTTP_TOKEN_FILE")
+            resolved_token = _read_token_file(env["CONSUL_HTTP_TOKEN_FILE"],
+                                              "CONSUL_HTTP_TOKEN_FILE")
         else:
             resolved_token = None
 
@@ -163,23 +177,29 @@ class ConsulConfig:
             verify_value = _parse_bool(verify_src, verify_value)
         resolved_verify: bool | str = True if verify_value is None else bool(verify_value)
         if resolved_verify:
-            ca, ca_src = pick(ca_file, "CONSUL_CACERT")
-            if ca:
-                resolved_verify = _check_file(ca, "CA certificate", ca_src)
-            else:
-                cap, cap_src = pick(ca_path, "CONSUL_CAPATH")
-                if cap:
-                    resolved_verify = _check_file(cap, "CA", cap_src, directory=True)
+            # An explicit ca_file or ca_path beats both CONSUL_CACERT and CONSUL_CAPATH.
+            if ca_file:
+                resolved_verify = _check_file(ca_file, "CA certificate", "argument ca_file")
+            elif ca_path:
+                resolved_verify = _check_file(ca_path, "CA", "argument ca_path", directory=True)
+            elif env.get("CONSUL_CACERT"):
+                resolved_verify = _check_file(env["CONSUL_CACERT"], "CA certificate",
+                                              "CONSUL_CACERT")
+            elif env.get("CONSUL_CAPATH"):
+                resolved_verify = _check_file(env["CONSUL_CAPATH"], "CA", "CONSUL_CAPATH",
+                                              directory=True)
 
         cert, cert_src = pick(client_cert, "CONSUL_CLIENT_CERT")
         key, key_src = pick(client_key, "CONSUL_CLIENT_KEY")
         if bool(cert) != bool(key):
             raise ConsulConfigError(
                 "A client certificate needs both a certificate and a key: set both "
-                "CONSUL_CLIENT_CERT and CONSUL_CLIENT_KEY (or the client_cert/client_key arguments)."
+                "CONSUL_CLIENT_CERT and CONSUL_CLIENT_KEY (or the client_cert/client_key "
+                "arguments)."
             )
         pair = (
-            (_check_file(cert, "client certificate", cert_src), _check_file(key, "client key", key_src))
+            (_check_file(cert, "client certificate", cert_src),
+             _check_file(key, "client key", key_src))
             if cert and key
             else None
         )

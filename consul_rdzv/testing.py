@@ -337,6 +337,9 @@ class ConsulAgent:
         while time.monotonic() < deadline:  # the port can linger briefly after exit
             try:
                 with socket.socket() as s:
+                    # Consul (Go) listens with SO_REUSEADDR, so connections left in TIME_WAIT
+                    # do not block it; without the flag this probe waited them out for 15 s.
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                     s.bind(("127.0.0.1", self.port))
                 break
             except OSError:
