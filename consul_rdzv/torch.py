@@ -12,6 +12,10 @@ Consul round trip, whichever node becomes rank 0 — and no endpoint is ever reu
 ``shutdown()`` closes the run, as torch's own c10d handler does: torch's launcher calls it only
 when this agent is finished for good (success after the exit barrier, or failure after
 ``--max-restarts``), never when the agent is stopped by a signal. It then leaves cleanly.
+If this node's last ``next_rendezvous()`` failed because Consul was unreachable or refused it,
+the close and the leave get at most ``SHUTDOWN_AFTER_CONSUL_FAILURE`` seconds together instead of
+``close_timeout`` each: the launcher is already failing, and riding out the same outage again
+would only delay torchrun's exit (by 30 s or more with the defaults).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import contextlib
 import datetime
 import logging
 import socket
+import threading
 from collections.abc import Callable
 
 from torch.distributed import PrefixStore, Store, TCPStore
@@ -40,6 +45,8 @@ from .settings import settings_from_conf
 logger = logging.getLogger(__name__)
 
 BACKEND = "consul"
+#: How long ``shutdown()`` may take (close, then leave) after Consul failed this node.
+SHUTDOWN_AFTER_CONSUL_FAILURE = 3.0
 
 _ERRORS: tuple[tuple[type[Exception], type[Exception]], ...] = (
     (errors.RendezvousClosedError, torch_api.RendezvousClosedError),
@@ -114,6 +121,7 @@ class ConsulRendezvousHandler(RendezvousHandler):
             seconds=store_timeout or rdzv.settings.join_timeout)
         self._reserved: _StoreEndpoint | None = None
         self._server: TCPStore | None = None
+        self._consul_failure: Exception | None = None
         rdzv._endpoint_provider = self._reserve_endpoint
 
     @property
@@ -142,7 +150,10 @@ class ConsulRendezvousHandler(RendezvousHandler):
             result = self._rdzv.next_round()
         except Exception as exc:
             self._release_reservation()
+            if isinstance(exc, errors.RendezvousConnectionError | errors.ConsulError):
+                self._consul_failure = exc
             raise _to_torch(exc) from exc
+        self._consul_failure = None
         endpoint = result.store
         if not endpoint or "host" not in endpoint or "port" not in endpoint:
             self._release_reservation()
@@ -176,9 +187,9 @@ class ConsulRendezvousHandler(RendezvousHandler):
                                     RendezvousStoreInfo(host, port), result)
 
     def _release_reservation(self) -> None:
-        if self._reserved is not None:
-            self._reserved.close()
-            self._reserved = None
+        reserved, self._reserved = self._reserved, None
+        if reserved is not None:
+            reserved.close()
 
     def is_closed(self) -> bool:
         """See base class."""
@@ -204,6 +215,29 @@ class ConsulRendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         """See base class (and the module docstring: closes the run, then leaves)."""
+        if self._consul_failure is None:
+            return self._close_and_leave()
+        rdzv = self._rdzv
+        budget = min(rdzv.settings.close_timeout, SHUTDOWN_AFTER_CONSUL_FAILURE)
+        logger.warning("Node %s shuts down after a Consul failure; closing run %s and leaving "
+                       "get at most %gs.", rdzv.node_id, rdzv.run_id, budget)
+        # Retries stop by themselves within the budget; the thread also bounds requests that
+        # hang (a frozen Consul answers no request before the client's read timeout).
+        rdzv.settings = rdzv.settings.with_(close_timeout=budget / 2)
+        outcome: list[bool] = []
+        worker = threading.Thread(target=lambda: outcome.append(self._close_and_leave()),
+                                  name=f"consul-rdzv-shutdown-{rdzv.node_id}", daemon=True)
+        worker.start()
+        worker.join(budget)
+        if worker.is_alive():
+            logger.warning("Node %s gave up closing run %s and leaving after %gs: Consul does not "
+                           "answer.", rdzv.node_id, rdzv.run_id, budget)
+            self._release_reservation()
+            self._server = None
+            return False
+        return outcome[0]
+
+    def _close_and_leave(self) -> bool:
         ok = True
         try:
             self._rdzv.close("shutdown() by the torch launcher")

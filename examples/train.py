@@ -32,6 +32,9 @@ def main() -> int:
     parser.add_argument("--fail-once", default="",
                         help="RANK:STEP: that rank exits 1 at that step, once "
                              "(marker file in --out)")
+    parser.add_argument("--progress-file", default="",
+                        help="append one JSON line per event (start, each step) to this file, so "
+                             "that a test can tell when and in which world training runs")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -46,6 +49,17 @@ def main() -> int:
     fail_rank, fail_step = (int(x) for x in args.fail_once.split(":")) if args.fail_once \
         else (-1, -1)
     marker = Path(args.out or ".") / "failed-once"
+
+    def progress(event: str, **fields) -> None:
+        if not args.progress_file:
+            return
+        line = json.dumps({"event": event, "time": time.time(), "rank": rank,
+                           "world_size": world, "group_rank": group_rank, "restarts": restarts,
+                           "pid": os.getpid(), "agent_pid": os.getppid(), **fields})
+        with open(args.progress_file, "a", encoding="utf-8") as fh:  # one short O_APPEND write
+            fh.write(line + "\n")
+
+    progress("start")  # after DDP's initial broadcast: every rank of this world is connected
     for step in range(args.steps):
         if rank == fail_rank and step == fail_step and not marker.exists():
             marker.write_text(f"rank {rank} failed at step {step}\n")
@@ -57,6 +71,7 @@ def main() -> int:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        progress("step", step=step)
         if args.step_time:
             time.sleep(args.step_time)
 

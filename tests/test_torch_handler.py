@@ -1,0 +1,418 @@
+"""The torch adapter (``consul_rdzv.torch``) against a real Consul dev agent.
+
+Handlers are built the way torchrun builds them: torch's registry, which found ``consul`` through
+the ``torchrun.handlers`` entry point, turns a ``RendezvousParameters`` (string conf values, as
+``--rdzv-conf`` gives them) into a handler. Several handlers in threads stand in for several
+nodes; every trainer-store endpoint they hand out is checked to be a live TCPStore.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from consul_rdzv import torch as consul_torch
+from consul_rdzv.settings import VALID_KEYS
+from consul_rdzv.torch import ConsulRendezvousHandler
+
+#: Short timeouts for tests, as strings: that is what torchrun's --rdzv-conf parser produces.
+FAST = {"heartbeat_timeout": "2", "last_call_timeout": "1", "join_timeout": "30",
+        "close_timeout": "5", "consul_timeout": "5"}
+
+
+def make_params(endpoint: str, run_id: str, prefix: str, *, min_nodes: int = 1,
+                max_nodes: int = 1, fast: bool = True, **conf) -> RendezvousParameters:
+    values = {**(FAST if fast else {}), "key_prefix": prefix, **conf}
+    return RendezvousParameters(
+        backend="consul", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
+        max_nodes=max_nodes, local_addr="127.0.0.1",
+        **{k: v for k, v in values.items() if v is not None},
+    )
+
+
+@pytest.fixture
+def run_id() -> str:
+    return f"run-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def make_handler():
+    """Build handlers through torch's registry; every one leaves (not closes) at teardown."""
+    made: list[ConsulRendezvousHandler] = []
+
+    def make(*args, **kwargs) -> ConsulRendezvousHandler:
+        handler = get_rendezvous_handler(make_params(*args, **kwargs))
+        assert type(handler) is ConsulRendezvousHandler, type(handler)
+        made.append(handler)
+        return handler
+
+    yield make
+    # Leave in parallel, with short retries: a test may have stopped Consul under its nodes.
+    threads = []
+    for handler in made:
+        rdzv = handler.rendezvous
+        rdzv.settings = rdzv.settings.with_(close_timeout=min(rdzv.settings.close_timeout, 3))
+        threads.append(threading.Thread(target=rdzv.leave, daemon=True))
+        threads[-1].start()
+    for thread in threads:
+        thread.join(10)
+
+
+@pytest.fixture
+def pool():
+    with ThreadPoolExecutor(max_workers=8) as executor:
+        yield executor
+
+
+def rendezvous_all(pool: ThreadPoolExecutor, handlers, timeout: float = 30.0) -> list:
+    """``next_rendezvous()`` on every handler at once, like nodes do; infos in handler order."""
+    futures = [pool.submit(h.next_rendezvous) for h in handlers]
+    return [f.result(timeout=timeout) for f in futures]
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def endpoint_of(info: RendezvousInfo) -> tuple[str, int]:
+    return info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port
+
+
+def worker_client(host: str, port: int) -> TCPStore:
+    """Connect to a bootstrap store as a worker does with TORCHELASTIC_USE_AGENT_STORE."""
+    return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
+
+
+def assert_one_live_store(infos: list[RendezvousInfo], tag: str) -> tuple[str, int]:
+    """All infos name one endpoint; it serves the handlers' stores and fresh worker clients."""
+    endpoints = {endpoint_of(i) for i in infos}
+    assert len(endpoints) == 1, f"members of one round got different store endpoints: {endpoints}"
+    host, port = endpoints.pop()
+    assert host == "127.0.0.1"
+    by_rank = sorted(infos, key=lambda i: i.rank)
+    by_rank[0].store.set(f"{tag}-from-rank0", b"hello")
+    assert by_rank[-1].store.get(f"{tag}-from-rank0") == b"hello"
+    worker = worker_client(host, port)
+    before = worker.num_keys()
+    by_rank[-1].store.add(f"{tag}-from-last", 1)  # acknowledged, unlike set(): no race
+    assert worker.num_keys() == before + 1, "the bootstrap endpoint is not the handlers' store"
+    worker.set(f"{tag}-worker", b"w")
+    assert worker_client(host, port).get(f"{tag}-worker") == b"w"
+    return host, port
+
+
+# ----------------------------------------------------------------------------- plugin loading
+
+
+def test_entry_point_is_found_and_torch_registry_builds_our_handler(agent, prefix, run_id,
+                                                                    make_handler):
+    eps = importlib.metadata.entry_points(group="torchrun.handlers")
+    assert "consul" in eps.names
+    assert eps["consul"].value == "consul_rdzv.torch:handler_factory"
+    assert eps["consul"].load()() is consul_torch.create_handler
+    # torch only logs a warning for a plugin that fails to load: the type is the real check.
+    handler = make_handler(agent.address, run_id, prefix)
+    assert type(handler) is ConsulRendezvousHandler
+    assert handler.get_backend() == "consul"
+    assert handler.use_agent_store is True
+    assert handler.get_run_id() == run_id
+
+
+def test_importing_the_package_does_not_import_torch():
+    code = ("import consul_rdzv, consul_rdzv.rendezvous, consul_rdzv.client, "
+            "consul_rdzv.settings, consul_rdzv.config, sys; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+# ----------------------------------------------------------------------------- rounds
+
+
+def test_three_nodes_get_ranks_and_one_live_trainer_store(agent, prefix, run_id, make_handler,
+                                                          pool):
+    handlers = [make_handler(agent.address, run_id, prefix, min_nodes=3, max_nodes=3,
+                             node_id=f"node-{i}") for i in range(3)]
+    infos = rendezvous_all(pool, handlers)
+    assert all(isinstance(i, RendezvousInfo) for i in infos)
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+    assert [i.world_size for i in infos] == [3, 3, 3]
+    assert_one_live_store(infos, "r1")
+    for h in handlers:
+        assert h.num_nodes_waiting() == 0
+
+
+def test_tutorial_tuple_form(agent, prefix, run_id, make_handler):
+    handler = make_handler(agent.address, run_id, prefix)
+    store, rank, world_size = handler.next_rendezvous()
+    assert (rank, world_size) == (0, 1)
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
+    info = handler.next_rendezvous()  # the same object is also a full RendezvousInfo
+    assert isinstance(info, RendezvousInfo)
+    assert info[1:] == (0, 1) and len(info) == 3
+
+
+def test_new_rank0_gives_new_live_endpoint_and_nobody_gets_the_old_one(agent, prefix, run_id,
+                                                                       make_handler, pool):
+    handlers = [make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=3,
+                             node_id=f"node-{i}") for i in range(3)]
+    infos = rendezvous_all(pool, handlers)
+    old = assert_one_live_store(infos, "r1")
+    first = [i.rank for i in infos].index(0)
+    survivors = [h for j, h in enumerate(handlers) if j != first]
+
+    assert handlers[first].rendezvous.leave()  # the rank-0 node goes away
+    wait_until(lambda: all(h.num_nodes_waiting() >= 1 for h in survivors), 15,
+               "the survivors to see the departed rank 0")
+    infos2 = rendezvous_all(pool, survivors)
+    assert sorted(i.rank for i in infos2) == [0, 1]
+    assert [i.world_size for i in infos2] == [2, 2]
+    assert infos2[0].result.round > infos[0].result.round
+    new = assert_one_live_store(infos2, "r2")
+    assert new != old, "a survivor was handed the departed rank 0's trainer store"
+    assert all(endpoint_of(i) != old for i in infos2)
+
+
+def test_endpoint_is_fresh_every_round_even_with_the_same_rank0(agent, prefix, run_id,
+                                                                make_handler, pool):
+    handlers = [make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=2,
+                             node_id=f"node-{i}") for i in range(2)]
+    seen = set()
+    for round_no in range(3):
+        infos = rendezvous_all(pool, handlers)
+        endpoint = assert_one_live_store(infos, f"round{round_no}")
+        assert endpoint not in seen, f"endpoint {endpoint} reused in a later round"
+        seen.add(endpoint)
+
+
+def test_late_node_is_seen_waiting_and_joins_the_next_round(agent, prefix, run_id,
+                                                            make_handler, pool):
+    handlers = [make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=3,
+                             node_id=f"node-{i}") for i in range(2)]
+    infos = rendezvous_all(pool, handlers)
+    assert [i.world_size for i in infos] == [2, 2]
+    time.sleep(0.5)
+    assert [h.num_nodes_waiting() for h in handlers] == [0, 0]
+
+    late = make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=3, node_id="late")
+    late_future = pool.submit(late.next_rendezvous)
+    wait_until(lambda: all(h.num_nodes_waiting() == 1 for h in handlers), 15,
+               "both nodes to report 1 node waiting")
+    infos = [*rendezvous_all(pool, handlers), late_future.result(timeout=30)]
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+    assert {i.world_size for i in infos} == {3}
+    assert_one_live_store(infos, "r2")
+
+
+# ----------------------------------------------------------------------------- closing
+
+
+def test_set_closed_wakes_a_waiting_node_and_refuses_later_ones(agent, prefix, run_id,
+                                                                make_handler, pool):
+    waiter = make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=2,
+                          node_id="waiter")
+    future = pool.submit(waiter.next_rendezvous)
+    consul = agent.client()
+    wait_until(lambda: consul.kv_keys(f"{prefix}/{run_id}/members/"), 15,
+               "the waiter's member key")
+    closer = make_handler(agent.address, run_id, prefix, node_id="closer")
+    assert closer.is_closed() is False
+    closer.set_closed()
+    assert closer.is_closed() is True
+    assert waiter.is_closed() is True
+    started = time.monotonic()
+    with pytest.raises(RendezvousClosedError, match=run_id):
+        future.result(timeout=15)
+    assert time.monotonic() - started < 5, "the waiting node did not notice the close promptly"
+    later = make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=2,
+                         node_id="later")
+    with pytest.raises(RendezvousClosedError, match=run_id):
+        later.next_rendezvous()
+
+
+def test_shutdown_closes_the_run_and_deregisters_the_node(agent, prefix, run_id, make_handler,
+                                                          pool):
+    handlers = [make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=2,
+                             node_id=f"node-{i}") for i in range(2)]
+    rendezvous_all(pool, handlers)
+    consul = agent.client()
+    ids = [h.rendezvous.service_id for h in handlers]
+    assert set(ids) <= set(consul.agent_services())
+
+    assert handlers[0].shutdown() is True
+    services = consul.agent_services()
+    assert ids[0] not in services, "shutdown() left this node's service registered"
+    assert ids[1] in services
+    members = consul.kv_keys(f"{prefix}/{run_id}/members/")
+    assert not any(k.endswith("/node-0") for k in members), members
+    assert handlers[1].is_closed() is True
+    with pytest.raises(RendezvousClosedError, match=run_id):
+        handlers[1].next_rendezvous()
+    assert handlers[0].shutdown() is True  # idempotent
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def test_join_timeout_is_torchs_timeout_error(agent, prefix, run_id, make_handler):
+    handler = make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=2,
+                           join_timeout="1.5", node_id="alone")
+    started = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError, match="join_timeout") as info:
+        handler.next_rendezvous()
+    assert 1.4 < time.monotonic() - started < 10
+    assert "alone" in str(info.value)
+
+
+def test_dead_endpoint_fails_fast_with_the_address_and_shuts_down_fast(prefix, run_id,
+                                                                       make_handler):
+    # close_timeout stays at its 30 s default: shutdown() after a Consul failure must not use it.
+    handler = make_handler("127.0.0.1:9", run_id, prefix, fast=False, consul_timeout="2")
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=r"127\.0\.0\.1:9"):
+        handler.next_rendezvous()
+    assert time.monotonic() - started < 8
+    started = time.monotonic()
+    assert handler.shutdown() is False
+    took = time.monotonic() - started
+    assert took < consul_torch.SHUTDOWN_AFTER_CONSUL_FAILURE + 1.5, \
+        f"shutdown() after an unreachable Consul took {took:.1f}s"
+
+
+def test_consul_stopping_under_waiting_nodes_fails_fast(fresh_agent, prefix, run_id,
+                                                        make_handler, pool):
+    handlers = [make_handler(fresh_agent.address, run_id, prefix, fast=False, min_nodes=3,
+                             max_nodes=3, consul_timeout="2", node_id=f"node-{i}")
+                for i in range(2)]
+    futures = [pool.submit(h.next_rendezvous) for h in handlers]
+    consul = fresh_agent.client()
+    wait_until(lambda: len(consul.kv_keys(f"{prefix}/{run_id}/members/")) == 2, 15,
+               "both member keys")
+    fresh_agent.stop()
+    started = time.monotonic()
+    for future in futures:
+        with pytest.raises(RendezvousConnectionError, match=fresh_agent.address):
+            future.result(timeout=30)
+    took = time.monotonic() - started
+    # docs/configuration.md: consul_timeout (2 s here) is how long an outage is ridden out.
+    assert took < 2 + 3, f"waiting nodes rode out a Consul outage for {took:.1f}s"
+    started = time.monotonic()
+    results = list(pool.map(lambda h: h.shutdown(), handlers))
+    took = time.monotonic() - started
+    assert results == [False, False]
+    # close, then leave, bounded together: not close_timeout (30 s) each.
+    assert took < consul_torch.SHUTDOWN_AFTER_CONSUL_FAILURE + 1.5, \
+        f"shutdown() with Consul gone took {took:.1f}s"
+
+
+def test_frozen_consul_fails_the_round_and_shutdown_stays_bounded(fresh_agent, prefix, run_id,
+                                                                  make_handler, pool):
+    # A frozen agent accepts connections and answers nothing: every request hangs until the
+    # client's read timeout (10 s), so only a wall-clock bound keeps shutdown() short.
+    handlers = [make_handler(fresh_agent.address, run_id, prefix, min_nodes=2, max_nodes=2,
+                             consul_timeout="2", join_timeout="3", node_id=f"node-{i}")
+                for i in range(2)]
+    rendezvous_all(pool, handlers)
+    fresh_agent.freeze()
+    try:
+        started = time.monotonic()
+        with pytest.raises(RendezvousConnectionError, match=fresh_agent.address):
+            handlers[0].next_rendezvous()
+        assert time.monotonic() - started < 15
+        started = time.monotonic()
+        assert handlers[0].shutdown() is False
+        took = time.monotonic() - started
+        assert took < consul_torch.SHUTDOWN_AFTER_CONSUL_FAILURE + 1.5, \
+            f"shutdown() with Consul frozen took {took:.1f}s"
+    finally:
+        fresh_agent.thaw()
+
+
+def test_missing_acl_permission_is_a_connection_error_naming_it(acl_agent, prefix, run_id,
+                                                               make_handler):
+    handler = make_handler(acl_agent.address, run_id, prefix)
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError) as info:
+        handler.next_rendezvous()
+    assert time.monotonic() - started < 5
+    text = str(info.value)
+    assert "lacks permission" in text and "service:write" in text, text
+    assert f'service_prefix "torchelastic-{run_id}"' in text, text
+
+
+# ----------------------------------------------------------------------------- rdzv conf
+
+
+def _settings(agent, prefix, **conf):
+    params = make_params(agent.address, "conf-run", prefix, fast=False, **conf)
+    handler = get_rendezvous_handler(params)
+    assert type(handler) is ConsulRendezvousHandler
+    return handler.rendezvous.settings
+
+
+def test_conf_strings_are_parsed(agent, prefix):
+    s = _settings(agent, prefix, heartbeat_timeout="2.5", last_call_timeout="1",
+                  consul_timeout="3", close_timeout="4", rank_policy="stable")
+    assert (s.heartbeat_timeout, s.last_call_timeout, s.consul_timeout, s.close_timeout) == \
+        (2.5, 1.0, 3.0, 4.0)
+    assert s.key_prefix == prefix
+
+
+@pytest.mark.parametrize("timeout", [900, "900"])
+def test_torchruns_timeout_alone_sets_join_timeout(agent, prefix, timeout):
+    assert _settings(agent, prefix, timeout=timeout).join_timeout == 900.0
+
+
+def test_join_timeout_wins_over_timeout(agent, prefix):
+    assert _settings(agent, prefix, timeout=900, join_timeout="30").join_timeout == 30.0
+
+
+def test_unknown_conf_key_lists_the_valid_keys(agent, prefix):
+    with pytest.raises(ValueError, match="heartbeat_timout") as info:
+        _settings(agent, prefix, heartbeat_timout="2")
+    for key in VALID_KEYS:
+        assert key in str(info.value)
+
+
+@pytest.mark.parametrize("key,value", [("heartbeat_timeout", "soon"), ("join_timeout", "-1"),
+                                       ("timeout", "never"), ("last_call_timeout", "0"),
+                                       ("consul_timeout", "nan")])
+def test_bad_number_names_the_key(agent, prefix, key, value):
+    with pytest.raises(ValueError, match=key):
+        _settings(agent, prefix, **{key: value})
+
+
+@pytest.mark.parametrize("form", ["host:port", "http://host:port", "empty"])
+def test_endpoint_forms(agent, prefix, run_id, make_handler, monkeypatch, form):
+    endpoint = {"host:port": agent.address, "http://host:port": agent.url, "empty": ""}[form]
+    if form == "empty":
+        monkeypatch.setenv("CONSUL_HTTP_ADDR", agent.address)
+    else:  # the explicit endpoint must win over the environment
+        monkeypatch.setenv("CONSUL_HTTP_ADDR", "127.0.0.1:9")
+    handler = make_handler(endpoint, run_id, prefix)
+    assert handler.rendezvous.client.config.url == agent.url
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+
