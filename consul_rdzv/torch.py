@@ -25,6 +25,7 @@ import datetime
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 from torch.distributed import PrefixStore, Store, TCPStore
@@ -45,6 +46,9 @@ from .settings import settings_from_conf
 logger = logging.getLogger(__name__)
 
 BACKEND = "consul"
+#: How long a node waits to connect to rank 0's trainer store before it gives up on the round
+#: (rank 0 died between the seal and its store) and joins the next one.
+STORE_CONNECT_TIMEOUT = 60.0
 #: How long ``shutdown()`` may take (close, then leave) after Consul failed this node.
 SHUTDOWN_AFTER_CONSUL_FAILURE = 3.0
 
@@ -55,6 +59,10 @@ _ERRORS: tuple[tuple[type[Exception], type[Exception]], ...] = (
     (errors.RendezvousStateError, torch_api.RendezvousStateError),
     (errors.ConsulError, torch_api.RendezvousConnectionError),
 )
+
+
+class _StoreUnreachable(Exception):
+    """Rank 0's trainer store of the round could not be reached."""
 
 
 def _to_torch(exc: Exception) -> Exception:
@@ -146,6 +154,17 @@ class ConsulRendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> ConsulRendezvousInfo:
         """See base class."""
         self._server = None  # the previous round's store server goes away with its round
+        deadline = time.monotonic() + self._rdzv.settings.join_timeout
+        while True:
+            result = self._next_round()
+            try:
+                return self._connect(result, deadline)
+            except _StoreUnreachable as exc:
+                if time.monotonic() >= deadline:
+                    raise torch_api.RendezvousConnectionError(str(exc)) from exc
+                logger.warning("%s; joining the next round instead.", exc)
+
+    def _next_round(self) -> RoundResult:
         try:
             result = self._rdzv.next_round()
         except Exception as exc:
@@ -154,6 +173,9 @@ class ConsulRendezvousHandler(RendezvousHandler):
                 self._consul_failure = exc
             raise _to_torch(exc) from exc
         self._consul_failure = None
+        return result
+
+    def _connect(self, result: RoundResult, deadline: float) -> ConsulRendezvousInfo:
         endpoint = result.store
         if not endpoint or "host" not in endpoint or "port" not in endpoint:
             self._release_reservation()
@@ -163,25 +185,34 @@ class ConsulRendezvousHandler(RendezvousHandler):
                 "torch handler?"
             )
         host, port = str(endpoint["host"]), int(endpoint["port"])
-        try:
-            if result.rank == 0:
-                fd = self._reserved.detach() if self._reserved else -1
-                self._reserved = None
-                if fd < 0:
-                    raise torch_api.RendezvousStateError(
-                        "This node is rank 0 but holds no reserved trainer-store socket."
-                    )
+        if result.rank == 0:
+            fd = self._reserved.detach() if self._reserved else -1
+            self._reserved = None
+            if fd < 0:
+                raise torch_api.RendezvousStateError(
+                    "This node is rank 0 but holds no reserved trainer-store socket."
+                )
+            try:
                 tcp = TCPStore(host, port, None, True, self._store_timeout,
                                wait_for_workers=False, master_listen_fd=fd)
-                self._server = tcp
-            else:
-                self._release_reservation()
-                tcp = TCPStore(host, port, None, False, self._store_timeout)
-        except (RuntimeError, OSError) as exc:
-            raise torch_api.RendezvousConnectionError(
-                f"Node {self._rdzv.node_id} could not {'start' if result.rank == 0 else 'reach'} "
-                f"the trainer store of round {result.round} at {host}:{port}: {exc}"
-            ) from exc
+            except (RuntimeError, OSError) as exc:
+                raise torch_api.RendezvousConnectionError(
+                    f"Node {self._rdzv.node_id} could not start the trainer store of round "
+                    f"{result.round} at {host}:{port}: {exc}"
+                ) from exc
+            self._server = tcp
+        else:
+            self._release_reservation()
+            connect = max(1.0, min(STORE_CONNECT_TIMEOUT, deadline - time.monotonic()))
+            try:
+                tcp = TCPStore(host, port, None, False, datetime.timedelta(seconds=connect))
+            except (RuntimeError, OSError) as exc:
+                raise _StoreUnreachable(
+                    f"Node {self._rdzv.node_id} could not reach the trainer store of round "
+                    f"{result.round} of run {result.run_id} at {host}:{port} (rank 0 is "
+                    f"{result.participants[0]}) within {connect:g}s: {exc}"
+                ) from exc
+            tcp.set_timeout(self._store_timeout)
         store = PrefixStore(f"torchelastic/{result.run_id}/{result.round}", tcp)
         return ConsulRendezvousInfo(store, result.rank, result.world_size,
                                     RendezvousStoreInfo(host, port), result)

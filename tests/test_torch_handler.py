@@ -416,3 +416,33 @@ def test_endpoint_forms(agent, prefix, run_id, make_handler, monkeypatch, form):
     info = handler.next_rendezvous()
     assert (info.rank, info.world_size) == (0, 1)
 
+
+
+def test_node_joins_next_round_if_rank0_store_never_comes_up(agent, prefix, run_id, make_handler,
+                                                            pool, monkeypatch):
+    """Rank 0 dies between the seal and starting its store: the others must not hang on it."""
+    from consul_rdzv.rendezvous import ConsulRendezvous
+    from consul_rdzv.settings import RendezvousSettings
+    from consul_rdzv.testing import free_port
+
+    monkeypatch.setattr(consul_torch, "STORE_CONNECT_TIMEOUT", 2.0)
+    dead_port = free_port()  # nothing listens here: rank 0 "died" before starting its store
+    ghost = ConsulRendezvous(
+        RendezvousSettings(run_id=run_id, key_prefix=prefix, min_nodes=1, max_nodes=2,
+                           last_call_timeout=0.5, heartbeat_timeout=2),
+        agent.client(), node_id="a-ghost",
+        endpoint_provider=lambda: {"host": "127.0.0.1", "port": dead_port})
+    first = pool.submit(ghost.next_round)
+    wait_until(lambda: ghost.session_id is not None, 10, "the ghost registered")
+    handler = make_handler(agent.address, run_id, prefix, min_nodes=1, max_nodes=2,
+                           last_call_timeout="0.5", node_id="b-survivor")
+    future = pool.submit(handler.next_rendezvous)
+    ghost_round = first.result(timeout=20)
+    if ghost_round.world_size == 1:  # sealed before the handler arrived: one more round
+        ghost_round = ghost.next_round()
+    assert ghost_round.rank == 0 and ghost_round.world_size == 2
+    ghost.leave()  # the ghost is gone for good; the survivor must re-rendezvous alone
+    info = future.result(timeout=30)
+    assert (info.rank, info.world_size) == (0, 1)
+    assert info.result.round > ghost_round.round
+    assert endpoint_of(info) != ("127.0.0.1", dead_port)
