@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_agent)
     p = sub.add_parser("demo", help="run a real torchrun job with the consul backend")
     p.add_argument("--nodes", type=int, default=3)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--timeout", type=float, default=300.0)
     p.set_defaults(func=cmd_demo)
     args = parser.parse_args(argv)
