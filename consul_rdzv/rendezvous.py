@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .client import BlockingIndex, ConsulClient, txn_kv
+from .client import BlockingIndex, ConsulClient, QueryResult, txn_kv
 from .errors import (
     ConsulError,
     ConsulNotFound,
@@ -168,10 +168,10 @@ class ConsulRendezvous:
         self.client = client or ConsulClient(retry_timeout=settings.consul_timeout)
         self.keys = Keys(settings.prefix)
         self.node_id = node_id or default_node_id()
-        if not _NODE_ID.match(self.node_id):
+        if not _NODE_ID.match(self.node_id) or self.node_id in (".", ".."):  # see settings.py
             raise ValueError(
                 f"node id {self.node_id!r} is invalid: use 1-160 characters of letters, digits, "
-                "'_', '.' or '-'."
+                "'_', '.' or '-' (not '.' or '..')."
             )
         self.host = host or socket.gethostname()
         self.service_id = f"{settings.run_id}-{self.node_id}"
@@ -226,13 +226,17 @@ class ConsulRendezvous:
                 except _Rejoin as exc:
                     logger.warning("Node %s of run %s lost its Consul session (%s); registering "
                                    "again.", self.node_id, self.run_id, exc)
-                    self._session = None
-                    self._lost.set()
+                    self._lost.set()  # _ensure_registered destroys and replaces the session
                     if time.monotonic() >= deadline:
                         raise RendezvousTimeoutError(
                             f"Node {self.node_id} of run {self.run_id} kept losing its Consul "
                             f"session until join_timeout ({self.settings.join_timeout:g}s)."
                         ) from exc
+        except RendezvousTimeoutError:
+            # We stop waiting: no coordinator may count us in, and a coordinator role we hold
+            # would leave the others without one while our session lives on.
+            self._drop_member(leader=True)
+            raise
         except ConsulPermissionDenied as exc:
             raise RendezvousConnectionError(
                 f"Consul at {self.client.config.url} refused node {self.node_id} of run "
@@ -346,6 +350,25 @@ class ConsulRendezvous:
         limit = time.monotonic() + self.settings.consul_timeout
         return limit if deadline is None else min(deadline, limit)
 
+    def _blocking_list(self, prefix: str, index: BlockingIndex, wait: float,
+                       deadline: float) -> QueryResult:
+        """A blocking read whose consul_timeout of retries starts when Consul fails.
+
+        A deadline set when the query is sent would be spent by a legitimate wait, and an outage
+        late in the wait would then fail at once, without a single retry. After a failure,
+        Consul may come back without our session and with lower indexes (state lost): the
+        retries do not block (a query at our old index would sit out its whole wait), and our
+        session is checked before we wait on.
+        """
+        with contextlib.suppress(ConsulUnavailableError):
+            return self.client.kv_list(prefix, index=index.param, wait=wait,
+                                       deadline=time.monotonic())  # one attempt, no retries
+        res = self.client.kv_list(prefix, deadline=self._op_deadline(deadline))
+        if self._session and self.client.session_info(
+                self._session, deadline=self._op_deadline(deadline)) is None:
+            raise _Rejoin("the session did not survive a Consul outage")
+        return res
+
     def _connection_error(self, what: str, exc: ConsulError) -> RendezvousConnectionError:
         return RendezvousConnectionError(
             f"Node {self.node_id} could not {what} of run {self.run_id} in Consul at "
@@ -378,14 +401,23 @@ class ConsulRendezvous:
         if self._session is not None and not self._lost.is_set():
             return
         op = self._op_deadline(deadline)
-        self._lost.clear()
+        old = self._session
         self._meta = {"state": "joining"}
         self._register_service(op)
-        self._session = self.client.session_create(
+        session = self.client.session_create(
             name=f"consul-rdzv {self.run_id} {self.node_id}"[:128],
             service_checks=[self.check_id], node_checks=["serfHealth"], behavior="delete",
             lock_delay="0s", deadline=op,
         )
+        # Switch sessions before clearing _lost: the heartbeat must never judge the new
+        # registration by the old session (a failed renew of the old one would mark us lost).
+        self._session = session
+        self._lost.clear()
+        if old is not None:
+            # If the old session is in fact alive (our key was deleted by hand, a spurious
+            # loss), it would keep holding the leader key or our member key: end it.
+            with contextlib.suppress(ConsulError):
+                self.client.session_destroy(old, deadline=op)
         logger.debug("Node %s of run %s registered service %s with session %s.", self.node_id,
                      self.run_id, self.service_id, self._session)
         if self._heartbeat is None:
@@ -462,9 +494,8 @@ class ConsulRendezvous:
                 raise self._timeout_error(deadline)
             if self._lost.is_set():
                 raise _Rejoin("the heartbeat found the session or check gone")
-            res = self.client.kv_list(self.keys.round_dir, index=index.param,
-                                      wait=min(remaining, ROUND_WAIT),
-                                      deadline=self._op_deadline(deadline))
+            res = self._blocking_list(self.keys.round_dir, index, min(remaining, ROUND_WAIT),
+                                      deadline)
             index.update(res.index)
             state = RunState.parse(self.keys, res.data)
             current = state.round
@@ -493,9 +524,8 @@ class ConsulRendezvous:
             now = time.monotonic()
             if now >= deadline:
                 raise self._timeout_error(deadline)
-            res = self.client.kv_list(self.keys.prefix + "/", index=index.param,
-                                      wait=self._coordinator_wait(deadline, quorum_since),
-                                      deadline=self._op_deadline(deadline))
+            res = self._blocking_list(self.keys.prefix + "/", index,
+                                      self._coordinator_wait(deadline, quorum_since), deadline)
             index.update(res.index)
             state = RunState.parse(self.keys, res.data)
             if state.leader_session != self._session:
@@ -565,11 +595,11 @@ class ConsulRendezvous:
                      "sealed": current.sealed_at},
         )
 
-    def _drop_member(self) -> None:
-        key = self.keys.member(self.node_id)
-        with contextlib.suppress(ConsulError):
-            self.client.txn([txn_kv("check-session", key, session=self._session),
-                             txn_kv("delete", key)], deadline=self._op_deadline())
+    def _drop_member(self, *, leader: bool = False) -> None:
+        for key in (self.keys.member(self.node_id), *([self.keys.leader] if leader else [])):
+            with contextlib.suppress(ConsulError):
+                self.client.txn([txn_kv("check-session", key, session=self._session),
+                                 txn_kv("delete", key)], deadline=self._op_deadline())
 
     def _closed_error(self, current: Round) -> RendezvousClosedError:
         info = current.closed or {}
@@ -635,11 +665,11 @@ class ConsulRendezvous:
                 logger.error("Node %s: %s", self.node_id, exc)
                 continue
             waiting = count_waiting(state, result, self.settings.max_nodes)
-            if self.node_id not in state.members:
-                self._mark_lost("its member key was deleted (session invalidated)")
             with self._lock:
                 if self._generation != generation:
-                    return
+                    return  # a new next_round() rewrites our key: its absence means nothing
+                if self.node_id not in state.members:
+                    self._mark_lost("its member key was deleted (session invalidated)")
                 if waiting != self._waiting:
                     logger.info("Node %s sees %d node(s) waiting in run %s (round %d).",
                                 self.node_id, waiting, self.run_id, result.round)
@@ -688,12 +718,16 @@ class _Heartbeat(threading.Thread):
     def beat(self, interval: float) -> None:
         node = self.node
         session = node._session
-        if session is None or node._lost.is_set():
+        if session is None:
             return
         deadline = time.monotonic() + interval
         try:
+            # The check is passed even while the session is lost: next_round() registers the
+            # service again and creates the new session bound to it, which takes the check
+            # passing (a slow session create must not let its TTL run out).
             node.client.agent_check_update(node.check_id, "pass", deadline=deadline)
-            node.client.session_renew(session, deadline=deadline)
+            if not node._lost.is_set():
+                node.client.session_renew(session, deadline=deadline)
             self._failures = 0
         except (ConsulNotFound, ConsulSessionInvalid) as exc:
             if node._session == session:

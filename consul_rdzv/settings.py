@@ -45,16 +45,21 @@ class RendezvousSettings:
     node_meta: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id):
+        # "." and ".." path segments are removed from Consul KV URLs (GET /v1/kv/a/../b reads
+        # "b"), so they would move the run's keys out of its prefix.
+        if not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id) \
+                or self.run_id in (".", ".."):
             raise ValueError(
                 f"run_id {self.run_id!r} is invalid: use 1-128 characters of letters, digits, "
-                "'_', '.' or '-'."
+                "'_', '.' or '-' (not '.' or '..')."
             )
         if not _KEY_PREFIX.match(self.key_prefix) or self.key_prefix.startswith("/") \
-                or self.key_prefix.endswith("/") or "//" in self.key_prefix:
+                or self.key_prefix.endswith("/") or "//" in self.key_prefix \
+                or {".", ".."} & set(self.key_prefix.split("/")):
             raise ValueError(
                 f"key_prefix {self.key_prefix!r} is invalid: use letters, digits, '_', '.', '-' "
-                "and single '/' separators, with no leading or trailing '/'."
+                "and single '/' separators, with no leading or trailing '/' and no '.' or '..' "
+                "segment."
             )
         if not isinstance(self.min_nodes, int) or self.min_nodes < 1:
             raise ValueError(f"min_nodes must be an integer >= 1, not {self.min_nodes!r}.")
