@@ -647,9 +647,12 @@ class ConsulRendezvous:
         while self._generation == generation:
             try:
                 res = self.client.kv_list(self.keys.members, index=index.param, wait=WATCH_WAIT,
-                                          deadline=time.monotonic() + 1)
+                                          deadline=time.monotonic())  # retried below
                 failures = 0
             except ConsulError as exc:
+                # After a failure, read without blocking: Consul may be back with lower indexes
+                # (state lost), and a query at our old index would sit out its whole wait.
+                index = BlockingIndex()
                 failures += 1
                 if failures == 1 or failures % 30 == 0:
                     logger.warning("Node %s cannot watch the members of run %s: %s",
@@ -689,6 +692,7 @@ class _Heartbeat(threading.Thread):
         self._wake = threading.Event()
         self._published: dict[str, str] | None = None
         self._failures = 0
+        self._overruns = 0
 
     def stop(self) -> None:
         self._stop.set()
@@ -710,8 +714,11 @@ class _Heartbeat(threading.Thread):
                 self.beat(interval)
                 took = time.monotonic() - started
                 if took > interval:
-                    logger.warning("Heartbeat of node %s took %.2fs, longer than its interval "
-                                   "%.2fs.", self.node.node_id, took, interval)
+                    self._overruns += 1
+                    if self._overruns == 1 or self._overruns % 20 == 0:
+                        logger.warning("Heartbeat of node %s took %.2fs, longer than its "
+                                       "interval %.2fs (%d time(s) so far).", self.node.node_id,
+                                       took, interval, self._overruns)
                 next_beat = time.monotonic() + interval
             self.publish_meta(interval)
 
