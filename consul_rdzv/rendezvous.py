@@ -54,6 +54,8 @@ _SEQ = itertools.count()
 #: Longest single blocking query while waiting for a round (a return is cheap; it lets the
 #: waiter notice a lost session or a passed deadline).
 ROUND_WAIT = 10.0
+#: Delay between a round's return and publishing its round/rank in the service meta.
+META_DELAY = 0.5
 #: Longest blocking query of the training-time membership watch.
 WATCH_WAIT = 300.0
 
@@ -188,6 +190,7 @@ class ConsulRendezvous:
         self._watch: threading.Thread | None = None
         self._left = False
         self._meta: dict[str, str] = {"state": "joining"}
+        self._meta_changed = 0.0
 
     def __repr__(self) -> str:
         return f"ConsulRendezvous(run={self.settings.run_id!r}, node={self.node_id!r})"
@@ -257,13 +260,27 @@ class ConsulRendezvous:
         self._round = result
         self._last_round_no = result.round
         self._meta = {"state": "training", "round": str(result.round), "rank": str(result.rank)}
+        self._meta_changed = time.monotonic()
         self._start_watch(result)
         if self._heartbeat:
-            self._heartbeat.wake()
+            self._heartbeat.wake()  # it publishes the new meta META_DELAY from now
         logger.info("Node %s joined round %d of run %s as rank %d of %d (%.3fs, %d Consul "
                     "requests).", self.node_id, result.round, self.run_id, result.rank,
                     result.world_size, result.timings["released"] - started, result.requests)
         return result
+
+    def register(self, timeout: float | None = None) -> None:
+        """Register this node's service, check and session now (``next_round()`` does it too).
+
+        Lets a node show up in Consul as soon as it starts, and takes the two registration
+        requests off the path of its first round. ``timeout`` bounds the retries (default
+        ``consul_timeout``).
+        """
+        deadline = time.monotonic() + (timeout or self.settings.consul_timeout)
+        try:
+            self._ensure_registered(deadline)
+        except ConsulError as exc:
+            raise self._connection_error("register in Consul", exc) from exc
 
     def num_nodes_waiting(self) -> int:
         """See module docstring: a local read, no Consul request."""
@@ -705,7 +722,11 @@ class _Heartbeat(threading.Thread):
         interval = self.node.settings.heartbeat_interval
         next_beat = time.monotonic() + interval
         while not self._stop.is_set():
-            self._wake.wait(max(0.0, next_beat - time.monotonic()))
+            wake_at = next_beat
+            if self.node._meta != self._published:
+                # Publish a new round's meta a moment later, off the round's busiest instant.
+                wake_at = min(wake_at, self._meta_due())
+            self._wake.wait(max(0.0, wake_at - time.monotonic()))
             self._wake.clear()
             if self._stop.is_set():
                 return
@@ -720,7 +741,12 @@ class _Heartbeat(threading.Thread):
                                        "interval %.2fs (%d time(s) so far).", self.node.node_id,
                                        took, interval, self._overruns)
                 next_beat = time.monotonic() + interval
-            self.publish_meta(interval)
+            if time.monotonic() >= self._meta_due():
+                self.publish_meta(interval)
+
+    def _meta_due(self) -> float:
+        changed = self.node._meta_changed
+        return changed + META_DELAY if changed else 0.0
 
     def beat(self, interval: float) -> None:
         node = self.node

@@ -46,6 +46,8 @@ from .settings import settings_from_conf
 logger = logging.getLogger(__name__)
 
 BACKEND = "consul"
+#: Retry budget of the registration attempted when the handler is created.
+EAGER_REGISTER_TIMEOUT = 1.0
 #: How long a node waits to connect to rank 0's trainer store before it gives up on the round
 #: (rank 0 died between the seal and its store) and joins the next one.
 STORE_CONNECT_TIMEOUT = 60.0
@@ -308,6 +310,13 @@ def create_handler(params: RendezvousParameters) -> ConsulRendezvousHandler:
     client = ConsulClient(config, retry_timeout=settings.consul_timeout)
     local_addr = params.local_addr or conf.get("local_addr") or None
     rdzv = ConsulRendezvous(settings, client, node_id=conf.get("node_id") or None)
+    try:
+        # torchrun creates the handler when the agent starts: show up in Consul right away.
+        # Best effort and short: next_rendezvous() registers (and reports errors) otherwise.
+        rdzv.register(timeout=EAGER_REGISTER_TIMEOUT)
+    except errors.RendezvousError as exc:
+        logger.debug("Node %s could not register at handler creation (%s); next_rendezvous() "
+                     "will.", rdzv.node_id, exc)
     logger.info("Created consul rendezvous handler for run %s (node %s, Consul %s).",
                 settings.run_id, rdzv.node_id, config.url)
     return ConsulRendezvousHandler(rdzv, local_addr=local_addr)
