@@ -59,9 +59,11 @@ def _decode(entry: KVEntry, what: str) -> dict[str, Any]:
     return data
 
 
-def _encode(obj: Any) -> bytes:
-    data = {"v": FORMAT_VERSION, **asdict(obj)}
-    return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+def _encode(obj: Any, *, skip: tuple[str, ...] = ()) -> bytes:
+    """JSON with the format version; ``skip`` names fields read from the KV entry, not stored."""
+    data = {k: v for k, v in asdict(obj).items() if k not in skip}
+    return json.dumps({"v": FORMAT_VERSION, **data}, separators=(",", ":"),
+                      sort_keys=True).encode()
 
 
 @dataclass
@@ -80,11 +82,7 @@ class Member:
     session: str | None = field(default=None, compare=False)
 
     def encode(self) -> bytes:
-        data = asdict(self)
-        for k in ("create_index", "modify_index", "session"):
-            data.pop(k)
-        return json.dumps({"v": FORMAT_VERSION, **data}, separators=(",", ":"),
-                          sort_keys=True).encode()
+        return _encode(self, skip=("create_index", "modify_index", "session"))
 
     @classmethod
     def decode(cls, entry: KVEntry) -> Member:
@@ -142,10 +140,7 @@ class Round:
         return len(self.ranks)
 
     def encode(self) -> bytes:
-        data = asdict(self)
-        data.pop("modify_index")
-        return json.dumps({"v": FORMAT_VERSION, **data}, separators=(",", ":"),
-                          sort_keys=True).encode()
+        return _encode(self, skip=("modify_index",))
 
     @classmethod
     def decode(cls, entry: KVEntry) -> Round:

@@ -330,9 +330,16 @@ class ConsulAgent:
             self.proc.wait(15)
         self.stop()
 
-    def restart(self, timeout: float = 60.0) -> None:
-        """Stop and start again on the same port. A dev agent comes back with empty state."""
-        self.stop()
+    def restart(self, timeout: float = 60.0, *, crash: bool = False) -> None:
+        """Stop (SIGKILL if ``crash``) and start again on the same port.
+
+        A dev agent comes back with empty state. ``crash`` resets connections mid-query and
+        drains nothing, as a crashed agent would.
+        """
+        if crash:
+            self.kill()
+        else:
+            self.stop()
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:  # the port can linger briefly after exit
             try:

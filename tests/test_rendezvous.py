@@ -17,7 +17,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -653,22 +652,6 @@ def test_member_key_deleted_by_hand_from_the_coordinator(cluster):
 # ============================================================================ 8. Consul outages
 
 
-def crash_and_restart(agent) -> None:
-    """SIGKILL the agent (connections reset mid-query, nothing drained) and start it again."""
-    agent.kill()
-    deadline = time.monotonic() + 15
-    while True:  # the port can linger briefly after exit (the agent, in Go, reuses addresses)
-        try:
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("127.0.0.1", agent.port))
-            break
-        except OSError:
-            assert time.monotonic() < deadline, f"port {agent.port} still busy"
-            time.sleep(0.05)
-    agent.start()
-
-
 @pytest.mark.parametrize("how", ["restart", "crash"])
 def test_agent_restart_while_nodes_wait(fresh_cluster, fresh_agent, how):
     cluster = fresh_cluster
@@ -686,10 +669,7 @@ def test_agent_restart_while_nodes_wait(fresh_cluster, fresh_agent, how):
     time.sleep(consul_timeout + 0.5)
     restarted = time.monotonic()
     # a dev agent comes back empty: sessions, services and keys are gone
-    if how == "restart":
-        fresh_agent.restart()
-    else:
-        crash_and_restart(fresh_agent)
+    fresh_agent.restart(crash=how == "crash")
     outage = time.monotonic() - restarted
     assert outage < consul_timeout, f"restart took {outage:.1f}s; the test needs a short outage"
     pending.update(cluster.start([c]))
