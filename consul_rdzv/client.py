@@ -137,7 +137,7 @@ def _body_text(resp: requests.Response) -> str:
 #: they must not be retried (and "Invalid Session TTL" is no invalidated session).
 _PERMANENT_500 = re.compile(
     r"Invalid Behavior setting|Session TTL '.*' invalid|Invalid Session TTL|"
-    r"Invalid session operation|Must provide (ID|Node)",
+    r"Invalid session operation|Must provide (ID|Node)|is in critical state",
     re.IGNORECASE,
 )
 

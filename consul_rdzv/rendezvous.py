@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from .client import BlockingIndex, ConsulClient, QueryResult, txn_kv
 from .errors import (
+    ConsulBadRequest,
     ConsulError,
     ConsulNotFound,
     ConsulPermissionDenied,
@@ -421,11 +422,7 @@ class ConsulRendezvous:
         old = self._session
         self._meta = {"state": "joining"}
         self._register_service(op)
-        session = self.client.session_create(
-            name=f"consul-rdzv {self.run_id} {self.node_id}"[:128],
-            service_checks=[self.check_id], node_checks=["serfHealth"], behavior="delete",
-            lock_delay="0s", deadline=op,
-        )
+        session = self._create_session(op)
         # Switch sessions before clearing _lost: the heartbeat must never judge the new
         # registration by the old session (a failed renew of the old one would mark us lost).
         self._session = session
@@ -440,6 +437,28 @@ class ConsulRendezvous:
         if self._heartbeat is None:
             self._heartbeat = _Heartbeat(self)
             self._heartbeat.start()
+
+    def _create_session(self, deadline: float) -> str:
+        """Create our session bound to the TTL check.
+
+        Consul refuses to bind a session to a critical check. The check was registered passing,
+        but on a slow agent its TTL can run out before the session request is served (the
+        heartbeat only beats once there is a session), so pass it and ask again.
+        """
+        for attempt in range(3):
+            try:
+                return self.client.session_create(
+                    name=f"consul-rdzv {self.run_id} {self.node_id}"[:128],
+                    service_checks=[self.check_id], node_checks=["serfHealth"],
+                    behavior="delete", lock_delay="0s", deadline=deadline,
+                )
+            except ConsulBadRequest as exc:
+                if "critical state" not in str(exc) or attempt == 2:
+                    raise
+                logger.warning("Node %s: its check went critical before its session was "
+                               "created; passing it and trying again.", self.node_id)
+                self.client.agent_check_update(self.check_id, "pass", deadline=deadline)
+        raise AssertionError("unreachable")
 
     def _mark_lost(self, reason: str) -> None:
         if not self._lost.is_set() and not self._left:

@@ -117,9 +117,18 @@ def build_consul(target: Path, *, quiet: bool = False) -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct free ports: every socket stays bound until all are chosen."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind((host, 0))
+            ports.append(s.getsockname()[1])
+        return ports
 
 
 class ConsulAgent:
@@ -144,6 +153,7 @@ class ConsulAgent:
         self.management_token = str(uuid.uuid4()) if acl else None
         self.proc: subprocess.Popen | None = None
         self.port = 0
+        self._extra_ports: list[int] = []
         self.ca_file = self.server_cert = self.server_key = None
         self.client_cert = self.client_key = None
         self._log_handle = None
@@ -230,9 +240,9 @@ class ConsulAgent:
             "  dns = -1",
             "  grpc = -1",
             "  grpc_tls = -1",
-            f"  serf_lan = {free_port()}",
-            f"  serf_wan = {free_port()}",
-            f"  server = {free_port()}",
+            f"  serf_lan = {self._extra_ports[0]}",
+            f"  serf_wan = {self._extra_ports[1]}",
+            f"  server = {self._extra_ports[2]}",
             "}",
             "limits { http_max_conns_per_client = 8192 }",
             'telemetry { prometheus_retention_time = "1h" }',
@@ -270,7 +280,7 @@ class ConsulAgent:
         if self.tls:
             self._make_certs()
         if not self.port:
-            self.port = free_port()
+            self.port, *self._extra_ports = free_ports(4)
         cfg = self.workdir / "agent.hcl"
         cfg.write_text(self._hcl())
         self._log_handle = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()

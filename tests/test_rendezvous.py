@@ -956,3 +956,19 @@ def test_dotted_names_keep_every_key_inside_the_run_prefix(cluster):
     assert sorted(ours) == sorted(f"{settings.prefix}/{k}" for k in
                                   ("members/a.1", "members/...", "round/leader",
                                    "round/current"))
+
+
+def test_session_is_created_if_the_check_went_critical_before_it(agent, prefix):
+    """A slow agent can let the fresh TTL check expire before the session request is served."""
+    settings = RendezvousSettings(run_id="slow-agent", key_prefix=prefix, heartbeat_timeout=2)
+    node = ConsulRendezvous(settings, agent.client(), node_id="slow")
+    node._register_service(time.monotonic() + 10)
+    node.client.agent_check_update(node.check_id, "fail")
+    try:
+        session = node._create_session(time.monotonic() + 10)
+        info = node.client.session_info(session)
+        assert info is not None
+        assert [c["ID"] for c in info.get("ServiceChecks") or []] == [node.check_id]
+        node.client.session_destroy(session)
+    finally:
+        node.client.agent_service_deregister(node.service_id)

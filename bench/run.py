@@ -1,0 +1,972 @@
+"""Rendezvous benchmark: consul vs torch's c10d and etcd-v2 backends, through torch's registry.
+
+    python -m bench.run                       # the full benchmark (about 35 minutes here)
+    python -m bench.run --quick               # N = 2, 8, 32, one repeat, consul + c10d (< 3 min)
+    python -m bench.run --backends consul --sizes 8,64 --scenarios fixed
+    python -m bench.run --docs                # also rewrite docs/benchmarks.md and the plot
+
+Every simulated node is a thread in a worker process and builds its handler with
+``get_rendezvous_handler(RendezvousParameters(...))``, the path torchrun takes. Layouts:
+
+* ``spread``  - nodes spread over min(N, --procs) processes (N <= 8: one process per node).
+* ``threads`` - every node in one process: how torch's c10d handler is usually exercised, and
+  where its per-call ``inspect.stack()`` walks serialise on the GIL ("c10d as shipped").
+
+Scenarios (all servers fresh per run, all on 127.0.0.1):
+
+* ``fixed``    - min = max = N; all nodes released from a barrier; time until every
+  ``next_rendezvous()`` returned. The first repeat then polls ``num_nodes_waiting()`` at 0.1 s for
+  --train-seconds and counts the requests this costs per node.
+* ``lastcall`` - min = N/2, max = 2N, N nodes, last_call_timeout = 1 s for every backend.
+* ``failover`` - round 1 with N nodes (min = N-1, max = N); one node dies (SIGKILL of its own
+  process; ``threads`` layout: its heartbeat stops, no cleanup); the survivors re-rendezvous.
+  Trigger ``detect``: each survivor calls ``next_rendezvous()`` once its ``num_nodes_waiting()``
+  (polled at 0.1 s, torchrun's monitor loop) is > 0. Trigger ``kill``: survivors call it at the
+  kill (as when their workers crash at once). c10d and etcd-v2 report only their wait list in
+  ``num_nodes_waiting()``, never a dead participant, so they only have the ``kill`` trigger.
+
+Raw figures: one JSON line per run in bench/results/<timestamp>.jsonl; tables: bench/report.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue
+import resource
+import signal
+import statistics
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+ALL_BACKENDS = ("consul", "c10d", "etcd-v2")
+ALL_SIZES = (2, 8, 32, 64, 128, 256, 512, 1024)
+ALL_SCENARIOS = ("fixed", "lastcall", "failover")
+HEARTBEAT_TIMEOUT = 5  # consul's heartbeat_timeout, set explicitly (it is also the default)
+#: torch's DynamicRendezvousHandler defaults (c10d, etcd-v2): keep_alive_interval=5 s,
+#: keep_alive_max_attempt=3 (a node is dead 15 s after its last keep-alive), last_call 30 s,
+#: state cache 1 s, 1 s sleep between polls, read_timeout 60 s.
+DYNAMIC_DEFAULTS = {"keep_alive_interval_s": 5, "keep_alive_max_attempt": 3,
+                    "last_call_timeout_s": 30, "join_timeout_s": 600, "sync_delay_s": 1,
+                    "state_cache_s": 1}
+
+#: Full-run limits per (backend, layout, scenario, trigger): the largest N tried (0: not run in
+#: that layout); larger N are skipped up front and recorded. Independently, a run that fails or
+#: passes --timeout skips every larger N of its series. Chosen so that the full run stays under
+#: ~40 minutes on 2 cores; --no-caps lifts them.
+FULL_CAPS = {
+    ("consul", "threads", "fixed", None): 512,
+    ("consul", "threads", "lastcall", None): 64,
+    ("consul", "threads", "failover", "detect"): 8,
+    ("consul", "threads", "failover", "kill"): 0,
+    ("c10d", "threads", "fixed", None): 128,
+    ("c10d", "threads", "lastcall", None): 64,
+    ("c10d", "threads", "failover", "kill"): 0,
+    ("consul", "spread", "lastcall", None): 512,
+    ("c10d", "spread", "lastcall", None): 128,
+    ("etcd-v2", "spread", "lastcall", None): 128,
+    ("consul", "spread", "failover", "detect"): 256,
+    ("consul", "spread", "failover", "kill"): 128,
+    ("c10d", "spread", "failover", "kill"): 64,
+    ("etcd-v2", "spread", "failover", "kill"): 32,
+}
+#: Repeats per series where one is all the time allows (c10d/etcd-v2 failover: ~45-60 s a run).
+FULL_REPEATS = {
+    ("c10d", "spread", "failover", "kill"): 1,
+    ("etcd-v2", "spread", "failover", "kill"): 1,
+    ("consul", "spread", "failover", "kill"): 1,
+    ("consul", "threads", "failover", "detect"): 1,
+}
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except (OSError, ValueError):
+        return None
+
+
+def raise_nofile() -> int:
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+# --------------------------------------------------------------------------- invariants
+
+def check_round(recs: list[dict], *, expect_world: int | None = None,
+                world_range: tuple[int, int] | None = None) -> tuple[list[str], dict]:
+    """Check one round's results. Returns (violations, summary)."""
+    violations: list[str] = []
+    ok = [r for r in recs if r.get("ok")]
+    errors = [r for r in recs if not r.get("ok")]
+    if errors:
+        violations.append(f"{len(errors)} node(s) raised, e.g. node {errors[0]['idx']}: "
+                          f"{errors[0].get('error', '?')}")
+    if not ok:
+        return violations, {"world": None, "round": None, "returned": 0}
+    worlds = Counter(r["world"] for r in ok)
+    rounds = Counter(r["round"] for r in ok)
+    world = worlds.most_common(1)[0][0]
+    if len(worlds) > 1:
+        violations.append(f"world sizes disagree: {dict(worlds)}")
+    if len(rounds) > 1:
+        violations.append(f"round numbers disagree: {dict(rounds)}")
+    ranks = Counter(r["rank"] for r in ok)
+    dups = sorted(k for k, v in ranks.items() if v > 1)
+    if dups:
+        violations.append(f"duplicate ranks {dups[:10]}")
+    bad = sorted(k for k in ranks if not 0 <= k < world)
+    if bad:
+        violations.append(f"ranks outside 0..{world - 1}: {bad[:10]}")
+    if len(ok) > world:
+        violations.append(f"{len(ok)} nodes returned from a round of world size {world}")
+    elif len(ok) == world and set(ranks) != set(range(world)):
+        violations.append(f"ranks are not 0..{world - 1}")
+    endpoints = Counter(r.get("endpoint") for r in ok)
+    if len(endpoints) > 1:
+        violations.append(f"members of one round got {len(endpoints)} different trainer-store "
+                          f"endpoints: {dict(endpoints.most_common(3))}")
+    seals = Counter(r.get("seal_id") for r in ok if r.get("seal_id"))
+    if len(seals) > 1:
+        violations.append(f"consul seal ids disagree: {len(seals)} different")
+    if expect_world is not None and world != expect_world:
+        violations.append(f"world size {world}, expected {expect_world}")
+    if world_range and not world_range[0] <= world <= world_range[1]:
+        violations.append(f"world size {world} outside {world_range}")
+    return violations, {"world": world, "round": rounds.most_common(1)[0][0],
+                        "returned": len(ok)}
+
+
+def _nearest_rank(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def _stats(values: list[float]) -> dict | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    values = sorted(values)
+    return {"min": values[0], "median": statistics.median(values), "max": values[-1],
+            "mean": statistics.fmean(values),
+            "p90": _nearest_rank(values, 0.9), "n": len(values)}
+
+
+# --------------------------------------------------------------------------- one run
+
+class Run:
+    """One benchmark run: a fresh server, fresh worker processes, one scenario."""
+
+    def __init__(self, ctx, opts, backend: str, layout: str, scenario: str, n: int, rep: int,
+                 trigger: str | None, etcd_bin: str | None) -> None:
+        self.ctx, self.opts = ctx, opts
+        self.backend, self.layout, self.scenario = backend, layout, scenario
+        self.n, self.rep, self.trigger = n, rep, trigger
+        self.etcd_bin = etcd_bin
+        self.run_id = f"b-{scenario}-{n}-{rep}-{uuid.uuid4().hex[:6]}"
+        self.out = ctx.Queue()
+        self.go = ctx.Event()
+        self.workers: list[tuple] = []  # (process, conn, node indices)
+        self.results: dict[int, dict[int, dict]] = {1: {}, 2: {}}
+        self.detects: dict[int, float] = {}
+        self.trains: list[dict] = []
+        self.killed_at: float | None = None
+        self.fatal: list[str] = []
+        self.ready: dict[int, dict] = {}
+        self.cpus: dict[int, float] = {}
+        self.http: dict[str, list[float]] = {}
+        self.profiled: dict[int, str | None] = {}
+        self.server = None
+        self.log_path = RESULTS / "logs" / f"{self.run_id}.log"
+
+    # -- layout
+    def groups(self) -> list[list[int]]:
+        n = self.n
+        victim = n - 1 if self.scenario == "failover" else None
+        if self.layout == "threads":
+            return [list(range(n))]
+        rest = [i for i in range(n) if i != victim]
+        procs = min(len(rest), self.opts.procs - (1 if victim is not None else 0))
+        procs = max(procs, 1)
+        groups = [rest[i::procs] for i in range(procs)]
+        if victim is not None:
+            groups.append([victim])  # alone in its process, spawned last (highest pid)
+        return groups
+
+    def params(self) -> tuple[int, int, dict]:
+        n, b = self.n, self.backend
+        conf: dict = {}
+        if self.scenario == "fixed":
+            lo, hi = n, n
+        elif self.scenario == "lastcall":
+            lo, hi = max(1, n // 2), 2 * n
+            conf["last_call_timeout"] = "1"
+        else:
+            lo, hi = max(1, n - 1), n
+        if b == "consul":
+            conf["heartbeat_timeout"] = str(HEARTBEAT_TIMEOUT)
+        elif b == "c10d":
+            conf["is_host"] = "false"
+        return lo, hi, conf
+
+    def _server_args(self) -> tuple:
+        if self.backend == "c10d":
+            return (self.ctx, self.opts.hosts_file)
+        if self.backend == "etcd-v2":
+            return (self.etcd_bin,)
+        return ()
+
+    # -- plumbing
+    def _pump(self, until, deadline: float) -> bool:
+        while True:
+            if until():
+                return True
+            remaining = deadline - _now()
+            if remaining <= 0:
+                return until()
+            try:
+                msg = self.out.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                if any(not p.is_alive() and p.exitcode not in (0, -signal.SIGKILL)
+                       for p, _, _ in self.workers):
+                    self.fatal.append("a worker process died: exit codes "
+                                      f"{[p.exitcode for p, _, _ in self.workers]}")
+                    return until()
+                continue
+            kind = msg["type"]
+            if kind == "result":
+                self.results[msg["phase"]][msg["idx"]] = msg
+            elif kind == "detect":
+                self.detects.setdefault(msg["idx"], msg["t"])
+            elif kind == "ready":
+                self.ready[msg["pid"]] = msg
+            elif kind == "train":
+                self.trains.append(msg)
+            elif kind == "cpu":
+                self.cpus[msg["pid"]] = msg["cpu"]
+                for cat, times in (msg.get("http") or {}).items():
+                    self.http.setdefault(cat, []).extend(times)
+            elif kind == "profiled":
+                self.profiled[msg["pid"]] = msg["path"]
+            elif kind == "killed":
+                self.killed_at = msg["t"]
+            elif kind == "fatal":
+                self.fatal.append(msg["error"])
+                return True
+
+    def _send(self, cmd, workers=None) -> None:
+        for proc, conn, _ in workers or self.workers:
+            if proc.is_alive():
+                with contextlib.suppress(OSError, BrokenPipeError):
+                    conn.send(cmd)
+
+    def execute(self) -> dict:
+        from bench import servers, worker
+
+        o = self.opts
+        lo, hi, conf = self.params()
+        rec: dict = {
+            "backend": self.backend, "layout": self.layout, "scenario": self.scenario,
+            "trigger": self.trigger, "n": self.n, "rep": self.rep, "run_id": self.run_id,
+            "min_nodes": lo, "max_nodes": hi, "conf": conf, "status": "ok", "violations": [],
+            "started": time.time(), "loadavg": _loadavg(),
+            "loopback_hosts": bool(o.hosts_file),
+        }
+        server_cls = {"consul": servers.ConsulServer, "c10d": servers.TCPStoreServer,
+                      "etcd-v2": servers.EtcdServer}[self.backend]
+        server = server_cls(*self._server_args())
+        self.server = server
+        t_setup = _now()
+        for attempt in range(3):  # free ports are picked before the server binds them: races
+            try:
+                endpoint = server.start()
+                break
+            except RuntimeError as exc:
+                rec.setdefault("server_start_failures", []).append(str(exc)[:300])
+                server.stop()
+                if attempt == 2:
+                    raise
+                server = self.server = type(server)(*self._server_args())
+        groups = self.groups()
+        rec["procs"] = len(groups)
+        rec["max_threads_per_proc"] = max(len(g) for g in groups)
+        try:
+            for g in groups:
+                parent, child = self.ctx.Pipe()
+                spec = {"backend": self.backend, "endpoint": endpoint, "run_id": self.run_id,
+                        "min_nodes": lo, "max_nodes": hi, "conf": conf, "nodes": g,
+                        "log_path": str(self.log_path), "log_level": o.log_level,
+                        "profile": o.profile, "hosts_file": o.hosts_file}
+                proc = self.ctx.Process(target=worker.main, args=(spec, child, self.go, self.out),
+                                        daemon=True)
+                proc.start()
+                child.close()
+                self.workers.append((proc, parent, g))
+            self._pump(lambda: len(self.ready) == len(groups), _now() + o.setup_timeout)
+            rec["setup_s"] = _now() - t_setup
+            if self.fatal or len(self.ready) < len(groups):
+                rec["status"] = "error"
+                rec["violations"].append("setup failed: " + "; ".join(self.fatal or
+                                         [f"only {len(self.ready)} of {len(groups)} workers"]))
+                return rec
+            names = {}
+            for msg in self.ready.values():
+                names.update({int(k): v for k, v in msg["nodes"].items()})
+            rec["nofile"] = min(m["nofile"] for m in self.ready.values())
+            getattr(self, f"_scenario_{self.scenario}")(rec, names)
+            return rec
+        finally:
+            if o.profile and self.ready:
+                self._save_profiles(rec)
+            if o.pprof:
+                self._finish_pprof(rec)
+            self._send(("exit",))
+            for proc, conn, _ in self.workers:
+                proc.join(2)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+                conn.close()
+            server.stop(keep_log=str(self.log_path.with_suffix(".server.log"))
+                        if self.opts.keep_logs else None)
+            self.out.close()
+            self.out.join_thread()
+            rec["wall_s"] = _now() - t_setup
+            with contextlib.suppress(OSError):
+                if self.log_path.exists() and self.log_path.stat().st_size == 0:
+                    self.log_path.unlink()
+            if self.log_path.exists():
+                rec["log"] = str(self.log_path.relative_to(HERE.parent))
+
+    def _save_profiles(self, rec: dict) -> None:
+        """Combine the profiles of every node thread; write a text summary."""
+        pdir = RESULTS / "profiles"
+        pdir.mkdir(exist_ok=True)
+        live = [w for w in self.workers if w[0].is_alive()]
+        for proc, conn, _ in live:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                conn.send(("profile", str(pdir / f"{self.run_id}-{proc.pid}.json")))
+        self._pump(lambda: len(self.profiled) >= len(live), _now() + 120)
+        paths = [p for p in self.profiled.values() if p]
+        if not paths:
+            return
+        text = pdir / f"{self.run_id}.txt"
+        if self.opts.profile == "cpu":
+            import io
+            import pstats
+
+            buf = io.StringIO()
+            stats = pstats.Stats(paths[0], stream=buf)
+            for p in paths[1:]:
+                stats.add(p)
+            for p in paths:
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
+            stats.strip_dirs()
+            buf.write(f"cProfile with time.thread_time (CPU of each node thread in "
+                      f"next_rendezvous(), {self.backend} {self.scenario} N={self.n}, "
+                      f"{self.layout})\n\n== by tottime ==\n")
+            stats.sort_stats("tottime").print_stats(30)
+            buf.write("\n== by cumtime ==\n")
+            stats.sort_stats("cumtime").print_stats(40)
+            text.write_text(buf.getvalue())
+            rec["profile"] = str(text.relative_to(HERE.parent))
+            return
+        from pyinstrument.renderers import ConsoleRenderer
+        from pyinstrument.session import Session
+
+        combined = Session.load(paths[0])
+        for p in paths[1:]:
+            combined = Session.combine(combined, Session.load(p))
+        for p in paths:
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+        tree = ConsoleRenderer(unicode=False, color=False, short_mode=False,
+                               processor_options={"filter_threshold": 0.02}).render(combined)
+        text.write_text(f"pyinstrument, every node thread's next_rendezvous() combined "
+                        f"({self.backend} {self.scenario} N={self.n}, {self.layout}); wall-clock "
+                        f"samples of {len(paths)} processes\n\n"
+                        + profile_summary(combined) + "\n\n== pyinstrument tree ==\n" + tree)
+        rec["profile"] = str(text.relative_to(HERE.parent))
+
+    def _start_pprof(self) -> None:
+        """Sample the consul agent's CPU (Go pprof; dev agents enable /debug/pprof)."""
+        import threading
+        import urllib.request
+
+        pdir = RESULTS / "profiles"
+        pdir.mkdir(exist_ok=True)
+        self.pprof_path = pdir / f"{self.run_id}-consul.pprof"
+        url = (f"{self.server.agent.url}/debug/pprof/profile?seconds="
+               f"{max(1, int(self.opts.pprof))}")
+
+        def fetch() -> None:
+            with contextlib.suppress(OSError), urllib.request.urlopen(
+                    url, timeout=self.opts.pprof + 30) as resp:
+                self.pprof_path.write_bytes(resp.read())
+
+        self.pprof_thread = threading.Thread(target=fetch, daemon=True)
+        self.pprof_thread.start()
+
+    def _finish_pprof(self, rec: dict) -> None:
+        import shutil
+        import subprocess
+
+        from consul_rdzv.testing import consul_binary
+
+        thread = getattr(self, "pprof_thread", None)
+        if thread is None:
+            return
+        thread.join(self.opts.pprof + 40)
+        go = shutil.which("go") or "/usr/local/go/bin/go"
+        if not self.pprof_path.exists() or not os.path.exists(go):
+            return
+        out = subprocess.run([go, "tool", "pprof", "-top", "-nodecount=40", consul_binary(),
+                              str(self.pprof_path)], capture_output=True, text=True, timeout=300)
+        cum = subprocess.run([go, "tool", "pprof", "-top", "-cum", "-nodecount=40",
+                              consul_binary(), str(self.pprof_path)],
+                             capture_output=True, text=True, timeout=300)
+        text = self.pprof_path.with_suffix(".txt")
+        text.write_text(f"consul agent CPU profile, {self.scenario} N={self.n}\n\n== flat ==\n"
+                        f"{out.stdout or out.stderr}\n\n== cumulative ==\n"
+                        f"{cum.stdout or cum.stderr}")
+        rec["agent_pprof"] = str(text.relative_to(HERE.parent))
+
+    # -- the phases
+    def _release(self) -> float:
+        from bench.servers import cpu_seconds, system_cpu
+
+        self.server_cpu0 = cpu_seconds(self.server.pid)
+        self.sys_cpu0 = system_cpu()
+        if self.opts.pprof and self.backend == "consul":
+            self._start_pprof()
+        self.t_go = _now()
+        self.wall_go = time.time()
+        self.go.set()
+        return self.t_go
+
+    def _phase_summary(self, rec: dict, phase: int, t0: float, prefix: str, **expect) -> None:
+        recs = sorted(self.results[phase].values(), key=lambda r: r["idx"])
+        violations, summary = check_round(recs, **expect)
+        ok = [r for r in recs if r.get("ok")]
+        rec[f"{prefix}round_violations"] = violations
+        rec["violations"] += [f"{prefix or 'round'}: {v}" for v in violations]
+        rec[f"{prefix}world"] = summary["world"]
+        rec[f"{prefix}round"] = summary["round"]
+        rec[f"{prefix}returned"] = summary["returned"]
+        rec[f"{prefix}latency_s"] = (max(r["t_end"] for r in ok) - t0) if ok else None
+        rec[f"{prefix}node_latency"] = _stats([r["t_end"] - t0 for r in ok])
+        rec[f"{prefix}call_latency"] = _stats([r["t_end"] - r["t_start"] for r in ok])
+        rec[f"{prefix}requests"] = _stats([r["requests"] for r in ok])
+        ops = Counter()
+        for r in ok:
+            ops.update(r.get("ops") or {})
+        rec[f"{prefix}ops_total"] = dict(ops)
+        rec[f"{prefix}bootstrap_ops"] = _stats([r.get("bootstrap_ops") for r in ok])
+        if self.backend == "consul" and ok:
+            rec[f"{prefix}product_requests"] = _stats([r.get("product_requests") for r in ok])
+            sealed = [r["sealed_wall"] for r in ok if r.get("sealed_wall")]
+            wall0 = self.wall_go if phase == 1 else self.wall_kill
+            if sealed:
+                rec[f"{prefix}sealed_s"] = max(sealed) - wall0
+            released = [r["released_wall"] for r in ok if r.get("released_wall")]
+            if released:
+                rec[f"{prefix}released_s"] = max(released) - wall0
+            starts = [r["join_started_wall"] for r in ok if r.get("join_started_wall")]
+            if starts:
+                rec[f"{prefix}last_join_started_s"] = max(starts) - wall0
+            rec[f"{prefix}coordinator"] = ok[0].get("coordinator")
+        rec[f"{prefix}nodes"] = {
+            "idx": [r["idx"] for r in recs],
+            "latency": [round(r["t_end"] - t0, 4) for r in recs],
+            "call": [round(r["t_end"] - r["t_start"], 4) for r in recs],
+            "rank": [r.get("rank") for r in recs],
+            "requests": [r.get("requests") for r in recs],
+        }
+
+    def _cpu(self, rec: dict, prefix: str = "") -> None:
+        """CPU seconds the round cost: the server process, and all worker processes."""
+        from bench.servers import cpu_seconds, system_cpu
+
+        server_cpu = cpu_seconds(self.server.pid)
+        busy, total = system_cpu()
+        if server_cpu is not None and self.server_cpu0 is not None:
+            rec[f"{prefix}server_cpu_s"] = server_cpu - self.server_cpu0
+        rec[f"{prefix}machine_busy_cpu_s"] = busy - self.sys_cpu0[0]
+        rec[f"{prefix}machine_cpu_s"] = total - self.sys_cpu0[1]
+        self.cpus = {}
+        live = [w for w in self.workers if w[0].is_alive()]
+        self._send(("cpu",), live)
+        self._pump(lambda: len(self.cpus) >= len(live), _now() + 30)
+        before = {pid: m["cpu"] for pid, m in self.ready.items()}
+        spent = [cpu - before[pid] for pid, cpu in self.cpus.items() if pid in before]
+        if spent:
+            rec[f"{prefix}client_cpu_s"] = sum(spent)
+            # CPU the rest of the machine burnt meanwhile (other jobs on a shared box).
+            rec[f"{prefix}foreign_cpu_s"] = max(0.0, rec[f"{prefix}machine_busy_cpu_s"]
+                                                - sum(spent) - rec.get(f"{prefix}server_cpu_s", 0))
+        if self.http:
+            rec[f"{prefix}consul_http"] = {
+                cat: {"n": len(v), "mean_ms": 1000 * statistics.fmean(v),
+                      "p50_ms": 1000 * statistics.median(v),
+                      "p90_ms": 1000 * _nearest_rank(v, 0.9),
+                      "max_ms": 1000 * max(v)}
+                for cat, v in sorted(self.http.items())}
+            self.http = {}
+
+    def _train(self, rec: dict) -> None:
+        if not self.opts.train_seconds:
+            return
+        self.trains = []
+        self._send(("train", self.opts.train_seconds, 0.1))
+        self._pump(lambda: len(self.trains) == len(self.workers),
+                   _now() + self.opts.train_seconds + 120)
+        per_node = [p for t in self.trains for p in t["per_node"]]
+        secs = statistics.fmean(t["seconds"] for t in self.trains) if self.trains else 0
+        if not per_node or not secs:
+            rec["train"] = {"error": "no training figures"}
+            return
+        ops = Counter()
+        for p in per_node:
+            ops.update(p["ops"])
+        probes = [t["probe"] for t in self.trains if t.get("probe")]
+        rec["train"] = {
+            "seconds": secs, "nodes": len(per_node),
+            "req_per_s_per_node": _stats([p["requests"] / secs for p in per_node]),
+            "state_req_per_s_per_node": _stats([p["state_requests"] / secs for p in per_node]),
+            "nnw_calls_per_s_per_node": _stats([p["nnw_calls"] / secs for p in per_node]),
+            "nnw_mean_ms": _stats([p["nnw_mean_s"] * 1000 for p in per_node
+                                   if p["nnw_mean_s"] is not None]),
+            "ops_per_s_per_node": {k: v / secs / len(per_node) for k, v in ops.items()},
+            "errors": sum(p["errors"] for p in per_node),
+            "wire_requests": sum(t["wire_requests"] for t in self.trains),
+            "late_ticks": sum(t["late_ticks"] for t in self.trains),
+            "ticks": sum(t["ticks"] for t in self.trains),
+            "probe_requests_per_200_calls": [p["requests"] for p in probes],
+            "probe_ms_per_call": statistics.fmean(p["seconds"] for p in probes) / 200 * 1000
+            if probes else None,
+        }
+
+    def _scenario_fixed(self, rec: dict, names: dict) -> None:
+        t0 = self._release()
+        done = self._pump(lambda: len(self.results[1]) == self.n, t0 + self.opts.timeout)
+        self._phase_summary(rec, 1, t0, "", expect_world=self.n)
+        rec["latency_s"] = rec["latency_s"] if done else None
+        self._cpu(rec)
+        if not done or self.fatal:
+            rec["status"] = "timeout" if not self.fatal else "error"
+            rec["violations"] += self.fatal
+            return
+        if self.rep == 0 and self.layout == "spread":
+            self._train(rec)
+
+    def _scenario_lastcall(self, rec: dict, names: dict) -> None:
+        t0 = self._release()
+        state = {"last": None}
+
+        def until() -> bool:
+            got = [r for r in self.results[1].values() if r.get("ok")]
+            if len(self.results[1]) == self.n:
+                return True
+            if not got:
+                return False
+            world = Counter(r["world"] for r in got).most_common(1)[0][0]
+            if len(got) >= world:  # the sealed round is back; give stragglers 2 s
+                state["last"] = state["last"] or _now()
+                return _now() - state["last"] > 2.0
+            return False
+
+        done = self._pump(until, t0 + self.opts.timeout)
+        self._phase_summary(rec, 1, t0, "", world_range=(max(1, self.n // 2), self.n))
+        rec["left_out"] = self.n - len([r for r in self.results[1].values() if r.get("ok")])
+        self._cpu(rec)
+        if not done or self.fatal:
+            rec["status"] = "timeout" if not self.fatal else "error"
+            rec["violations"] += self.fatal
+            rec["latency_s"] = None
+
+    def _scenario_failover(self, rec: dict, names: dict) -> None:
+        n, o = self.n, self.opts
+        victim = n - 1
+        t0 = self._release()
+        done = self._pump(lambda: len(self.results[1]) == n, t0 + o.timeout)
+        self._phase_summary(rec, 1, t0, "r1_", expect_world=n)
+        self._cpu(rec, "r1_")
+        if not done or self.fatal:
+            rec["status"] = "timeout" if not self.fatal else "error"
+            rec["violations"] += self.fatal
+            rec["latency_s"] = None
+            return
+        vres = self.results[1][victim]
+        rec["victim"] = {"idx": victim, "name": names.get(victim), "rank": vres.get("rank"),
+                         "coordinator": (vres.get("coordinator") == names.get(victim))
+                         if self.backend == "consul" else None}
+        survivors_workers = [w for w in self.workers if w[2] != [victim]]
+        self._send(("monitor", 0.1, self.trigger == "detect"), survivors_workers)
+        self._pump(lambda: False, _now() + o.settle)
+        spurious = {i: t for i, t in self.detects.items()}
+        if spurious:
+            rec["violations"].append(f"{len(spurious)} survivor(s) saw num_nodes_waiting() > 0 "
+                                     "before the kill")
+        self.detects.clear()
+        if self.layout == "threads":
+            self.wall_kill = time.time()
+            self._send(("kill", victim))
+            self._pump(lambda: self.killed_at is not None, _now() + 30)
+            t_kill = self.killed_at
+            rec["kill"] = "heartbeat stopped (thread)"
+        else:
+            vproc = next(p for p, _, g in self.workers if g == [victim])
+            self.wall_kill = time.time()
+            t_kill = _now()
+            os.kill(vproc.pid, signal.SIGKILL)
+            rec["kill"] = "SIGKILL of the victim's process"
+        if self.trigger == "kill":
+            self._send(("rejoin",), survivors_workers)
+        done = self._pump(lambda: len(self.results[2]) == n - 1, t_kill + o.timeout)
+        self._phase_summary(rec, 2, t_kill, "", expect_world=n - 1)
+        det = [t - t_kill for i, t in self.detects.items() if i != victim]
+        rec["detect_first_s"] = min(det) if det else None
+        rec["detect_last_s"] = max(det) if det else None
+        rec["detected_by"] = len(det)
+        r1 = rec.get("r1_round")
+        if rec.get("round") is not None and r1 is not None and rec["round"] <= r1:
+            rec["violations"].append(f"round 2 number {rec['round']} is not after round 1 ({r1})")
+        if any(r.get("idx") == victim for r in self.results[2].values()):
+            rec["violations"].append("the killed node returned from round 2")
+        if not done or self.fatal:
+            rec["status"] = "timeout" if not self.fatal else "error"
+            rec["violations"] += self.fatal
+            rec["latency_s"] = None
+
+
+def profile_summary(session, top: int = 25) -> str:
+    """Top functions over all node threads: inclusive and self wall time, threads merged."""
+    inclusive: Counter = Counter()
+    own: Counter = Counter()
+    total = 0.0
+
+    def name(ident: str) -> str:
+        parts = ident.split("\x01")[0].split("\x00")
+        func = parts[0]
+        path = parts[1] if len(parts) > 1 else ""
+        for marker in ("site-packages/", "/work/main/", "lib/python3"):
+            if marker in path:
+                path = path.split(marker, 1)[1]
+                break
+        line = parts[2] if len(parts) > 2 else ""
+        return f"{func}  {path}:{line}" if path else func
+
+    for stack, seconds in session.frame_records:
+        frames = [name(f) for f in stack if "\x00" in f]
+        if not frames:
+            continue
+        total += seconds
+        for f in set(frames):
+            inclusive[f] += seconds
+        own[frames[-1]] += seconds
+    lines = [f"node-thread wall time sampled: {total:.2f} s (sum over threads)", "",
+             "== top functions, inclusive (threads merged) =="]
+    for f, sec in inclusive.most_common(top):
+        lines.append(f"{sec:9.3f} s {100 * sec / total:5.1f}%  {f}")
+    lines += ["", "== consul_rdzv and torch handler functions, inclusive =="]
+    ours = [(f, sec) for f, sec in inclusive.most_common()
+            if "consul_rdzv/" in f or "rendezvous/" in f or "distributed/" in f]
+    for f, sec in ours[:top]:
+        lines.append(f"{sec:9.3f} s {100 * sec / total:5.1f}%  {f}")
+    lines += ["", "== top functions, self time (threads merged) =="]
+    for f, sec in own.most_common(top):
+        lines.append(f"{sec:9.3f} s {100 * sec / total:5.1f}%  {f}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the series
+
+def machine_info(etcd_bin: str | None, etcd_note: str) -> dict:
+    import torch
+
+    from bench import servers
+
+    mem = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = round(int(line.split()[1]) / 1024 / 1024, 1)
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    info = {"cores": os.cpu_count(), "cpu": cpu, "mem_gb": mem, "python": platform.python_version(),
+            "platform": platform.platform(), "torch": torch.__version__,
+            "consul": servers.ConsulServer.version(), "etcd": None, "etcd_note": etcd_note}
+    with contextlib.suppress(Exception):
+        import importlib.metadata as md
+
+        info["python_etcd"] = md.version("python-etcd")
+        info["requests"] = md.version("requests")
+        info["urllib3"] = md.version("urllib3")
+    if etcd_bin:
+        info["etcd"] = servers.EtcdServer.version(etcd_bin)
+    return info
+
+
+def product_version() -> dict:
+    """The consul_rdzv code this run measures: git HEAD, and a digest of the package files
+    (the working tree may carry uncommitted changes)."""
+    import hashlib
+    import subprocess
+
+    root = HERE.parent
+    digest = hashlib.sha256()
+    for path in sorted((root / "consul_rdzv").glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    head = dirty = None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "consul_rdzv"], cwd=root,
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    return {"git_head": head, "consul_rdzv_dirty": dirty,
+            "consul_rdzv_sha256": digest.hexdigest()[:16]}
+
+
+def build_plan(opts) -> list[tuple]:
+    """(scenario, n, backend, layout, trigger) in run order: by scenario, then N ascending."""
+    plan = []
+    for scenario in opts.scenarios:
+        for n in opts.sizes:
+            for layout in opts.layouts:
+                for backend in opts.backends:
+                    if layout == "threads" and backend not in opts.thread_backends:
+                        continue
+                    triggers = [None]
+                    if scenario == "failover":
+                        triggers = ["detect", "kill"] if backend == "consul" else ["kill"]
+                        if backend == "consul" and not opts.consul_kill_trigger:
+                            triggers = ["detect"]
+                    for trigger in triggers:
+                        plan.append((scenario, n, backend, layout, trigger))
+    return plan
+
+
+def series_key(scenario, backend, layout, trigger) -> tuple:
+    return (backend, layout, scenario, trigger)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
+    p.add_argument("--backends", default=",".join(ALL_BACKENDS))
+    p.add_argument("--sizes", default=",".join(map(str, ALL_SIZES)))
+    p.add_argument("--scenarios", default=",".join(ALL_SCENARIOS))
+    p.add_argument("--layouts", default="spread,threads",
+                   help="spread: nodes over min(N, --procs) processes; threads: one process")
+    p.add_argument("--thread-backends", default="consul,c10d",
+                   help="backends also run in the threads layout")
+    p.add_argument("--procs", type=int, default=8, help="worker processes of the spread layout")
+    p.add_argument("--repeats", type=int, default=3, help="repeats for N <= --small")
+    p.add_argument("--repeats-large", type=int, default=1, help="repeats for N > --small")
+    p.add_argument("--small", type=int, default=32)
+    p.add_argument("--timeout", type=float, default=120.0, help="per-run (per-phase) timeout")
+    p.add_argument("--setup-timeout", type=float, default=180.0)
+    p.add_argument("--settle", type=float, default=1.0,
+                   help="failover: seconds of training between round 1 and the kill")
+    p.add_argument("--train-seconds", type=float, default=5.0)
+    p.add_argument("--no-caps", action="store_true", help="ignore the full run's size caps")
+    p.add_argument("--skip", default="", help="series not to run, e.g. c10d:failover,etcd-v2:fixed")
+    p.add_argument("--no-consul-kill-trigger", dest="consul_kill_trigger", action="store_false")
+    p.add_argument("--budget-min", type=float, default=45.0,
+                   help="stop starting new runs after this many minutes")
+    p.add_argument("--quick", action="store_true",
+                   help="N = 2,8,32, one repeat, all scenarios, consul + c10d, spread layout")
+    p.add_argument("--log-level", default="WARNING", help="log level of the worker processes")
+    p.add_argument("--keep-logs", action="store_true", help="keep the server's log per run")
+    p.add_argument("--profile", nargs="?", const="wall", choices=("wall", "cpu"), default=None,
+                   help="profile every node's next_rendezvous() into bench/results/profiles/: "
+                        "wall = pyinstrument (default), cpu = cProfile on per-thread CPU time")
+    p.add_argument("--pprof", type=float, default=0.0, metavar="SECONDS",
+                   help="consul runs: sample the agent's CPU with Go's pprof from the release on")
+    p.add_argument("--loopback-hosts", action="store_true",
+                   help="run workers with a private /etc/hosts naming ::ffff:127.0.0.1 (avoids "
+                        "the reverse-DNS stalls of TCPStore connects; see bench/servers.py)")
+    p.add_argument("--docs", action="store_true",
+                   help="rewrite docs/benchmarks.md's generated part and "
+                        "docs/benchmark-latency.png")
+    p.add_argument("--out", default="", help="JSON lines file (default bench/results/<ts>.jsonl)")
+    opts = p.parse_args(argv)
+    if opts.quick:
+        opts.backends, opts.sizes, opts.layouts = "consul,c10d", "2,8,32", "spread"
+        opts.repeats = opts.repeats_large = 1
+        opts.train_seconds = min(opts.train_seconds, 3.0)
+        opts.consul_kill_trigger = False
+        opts.budget_min = min(opts.budget_min, 10.0)
+    opts.backends = [b.strip() for b in opts.backends.split(",") if b.strip()]
+    opts.thread_backends = [b.strip() for b in opts.thread_backends.split(",") if b.strip()]
+    opts.sizes = sorted(int(s) for s in opts.sizes.split(",") if s.strip())
+    opts.scenarios = [s.strip() for s in opts.scenarios.split(",") if s.strip()]
+    opts.layouts = [s.strip() for s in opts.layouts.split(",") if s.strip()]
+    opts.skip = {s.strip() for s in opts.skip.split(",") if s.strip()}
+    for b in opts.backends:
+        if b not in ALL_BACKENDS:
+            p.error(f"unknown backend {b!r}")
+    for s in opts.scenarios:
+        if s not in ALL_SCENARIOS:
+            p.error(f"unknown scenario {s!r}")
+    return opts
+
+
+def caps_for(opts) -> dict:
+    if opts.no_caps:
+        return {}
+    caps = dict(FULL_CAPS)
+    if opts.quick:
+        # c10d's failover takes ~45-60 s per run (15 s to expire the dead node's keep-alives,
+        # then the default 30 s last call): one size keeps the quick mode under 3 minutes.
+        caps = {("c10d", "spread", "failover", "kill"): 8}
+    return caps
+
+
+#: Sizes the quick mode runs for a series (c10d's failover: N = 8 only).
+QUICK_ONLY = {("c10d", "spread", "failover", "kill"): {8}}
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "logs").mkdir(exist_ok=True)
+    nofile = raise_nofile()
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # TCPStore hostname warnings
+    for name in list(os.environ):  # nothing may point a handler elsewhere
+        if name.startswith(("CONSUL_HTTP", "ETCD")):
+            del os.environ[name]
+    from bench import servers
+
+    etcd_bin, etcd_note = (None, "not requested")
+    if "etcd-v2" in opts.backends:
+        etcd_bin, etcd_note = servers.ensure_etcd()
+        if etcd_bin is None:
+            print(f"[bench] etcd-v2 skipped: {etcd_note}", flush=True)
+        else:
+            try:
+                import etcd  # noqa: F401
+            except ImportError:
+                etcd_bin, etcd_note = None, ("python-etcd is not installed "
+                                             "(pip install -e '.[bench]')")
+                print(f"[bench] etcd-v2 skipped: {etcd_note}", flush=True)
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["bench.worker"])
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    suffix = "-quick" if opts.quick else ""
+    out_path = Path(opts.out) if opts.out else RESULTS / f"{stamp}{suffix}.jsonl"
+    machine = machine_info(etcd_bin, etcd_note)
+    opts.hosts_file = None
+    if opts.loopback_hosts:
+        opts.hosts_file = str(servers.loopback_hosts_file(RESULTS))
+    header = {"kind": "meta", "stamp": stamp, "argv": sys.argv[1:] if argv is None else argv,
+              "machine": machine, "nofile": nofile, "quick": opts.quick,
+              "heartbeat_timeout": HEARTBEAT_TIMEOUT, "dynamic_defaults": DYNAMIC_DEFAULTS,
+              "procs": opts.procs, "timeout": opts.timeout, "train_seconds": opts.train_seconds,
+              "consul_http_limit": servers.HTTP_LIMIT_LINE, "product": product_version(),
+              "loopback_hosts": bool(opts.hosts_file)}
+    print(f"[bench] {machine['cores']} cores, {machine['mem_gb']} GB, torch {machine['torch']}, "
+          f"{machine['consul']}, etcd {machine['etcd'] or etcd_note} -> {out_path}", flush=True)
+    caps = caps_for(opts)
+    skipped: dict[tuple, str] = {}
+    started = _now()
+    with open(out_path, "w") as fh:
+        fh.write(json.dumps(header) + "\n")
+        for scenario, n, backend, layout, trigger in build_plan(opts):
+            key = series_key(scenario, backend, layout, trigger)
+            reason = None
+            if f"{backend}:{scenario}" in opts.skip:
+                continue
+            if backend == "etcd-v2" and etcd_bin is None:
+                reason = f"etcd unavailable: {etcd_note}"
+            elif key in skipped:
+                reason = skipped[key]
+            elif key in caps and n > caps[key]:
+                reason = (f"capped at N <= {caps[key]} in this run" if caps[key]
+                          else "not run in this layout")
+            elif opts.quick and key in QUICK_ONLY and n not in QUICK_ONLY[key]:
+                reason = f"quick mode runs N = {sorted(QUICK_ONLY[key])} only"
+            elif (_now() - started) / 60 > opts.budget_min:
+                reason = f"time budget of {opts.budget_min:g} min used up"
+            if reason:
+                row = {"kind": "skip", "backend": backend, "layout": layout, "scenario": scenario,
+                       "trigger": trigger, "n": n, "reason": reason}
+                fh.write(json.dumps(row) + "\n")
+                fh.flush()
+                continue
+            reps = opts.repeats if n <= opts.small else opts.repeats_large
+            if not opts.no_caps:
+                reps = min(reps, FULL_REPEATS.get(key, reps))
+            for rep in range(reps):
+                run = Run(ctx, opts, backend, layout, scenario, n, rep, trigger, etcd_bin)
+                try:
+                    rec = run.execute()
+                except Exception as exc:
+                    rec = {"backend": backend, "layout": layout, "scenario": scenario,
+                           "trigger": trigger, "n": n, "rep": rep, "status": "error",
+                           "violations": [f"runner error: {type(exc).__name__}: {exc}"]}
+                rec["kind"] = "run"
+                fh.write(json.dumps(rec) + "\n")
+                fh.flush()
+                lat = rec.get("latency_s")
+                extra = ""
+                if scenario == "failover" and rec.get("detect_first_s") is not None:
+                    extra = f" detect {rec['detect_first_s']:.2f}s"
+                req = rec.get("product_requests") or rec.get("requests")
+                if req:
+                    extra += f" req/node med {req['median']:.0f} max {req['max']:.0f}"
+                if rec.get("train"):
+                    t = rec["train"]
+                    if "req_per_s_per_node" in t:
+                        extra += f" train {t['req_per_s_per_node']['mean']:.2f} req/s/node"
+                shown = f"{lat:.3f}s" if lat is not None else rec["status"]
+                if rec.get("violations"):
+                    extra += "  VIOLATIONS: " + "; ".join(rec["violations"])[:300]
+                print(f"[bench {(_now() - started) / 60:5.1f}m] {scenario:8} {backend:7} "
+                      f"{layout:7} {trigger or '':6} N={n:<5} rep {rep}: {shown:>9}{extra}",
+                      flush=True)
+                if rec["status"] != "ok" or (lat is not None and lat > opts.timeout):
+                    skipped[key] = f"skipped: N={n} {rec['status']}" + (
+                        f" (per-run timeout {opts.timeout:g} s)" if rec["status"] == "timeout"
+                        else "")
+                    break
+    print(f"[bench] done in {(_now() - started) / 60:.1f} min: {out_path}", flush=True)
+    from bench import report
+
+    text = report.render(out_path)
+    md_path = out_path.with_suffix(".md")
+    md_path.write_text(text)
+    print(text)
+    if opts.docs:
+        if opts.hosts_file:
+            report.write_docs(None, hosts=out_path)
+        else:
+            report.write_docs(out_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

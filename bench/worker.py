@@ -1,0 +1,539 @@
+"""A benchmark worker process: hosts some of the simulated nodes, one thread per node.
+
+Every node builds its handler through torch's registry, exactly as torchrun does
+(``get_rendezvous_handler(RendezvousParameters(...))``), then waits for the cross-process start
+signal and calls ``next_rendezvous()``. The parent (bench.run) drives the later phases with
+commands over a pipe; results go back over one shared queue.
+
+What is patched here, and why (counting and loopback only; no rendezvous logic is changed):
+
+* ``C10dRendezvousBackend._call_store`` counts every store round trip of the c10d rendezvous
+  state (``get`` / ``compare_set``) per backend instance.
+* ``urllib3.PoolManager.urlopen`` counts every HTTP request of a python-etcd client (one
+  ``PoolManager`` per client, so per node); requests made inside ``EtcdStore`` methods (the
+  MASTER_ADDR/PORT bootstrap) are tagged ``store``, everything else ``rdzv``.
+* ``urllib3.HTTPConnectionPool.urlopen`` counts the HTTP requests of the whole process (every
+  backend): a cross-check of the per-node figures.
+* ``RendezvousStoreInfo.build`` counts the c10d bootstrap store operations per node.
+* ``ConsulClient._request`` and ``consul_rdzv.torch.TCPStore`` are timed (Consul latency per
+  endpoint; the trainer-store connect inside the consul handler's ``next_rendezvous()``).
+* ``DynamicRendezvousHandler._create_tcp_store_server`` (rank 0's shared TCPStore server of the
+  c10d and etcd-v2 handlers) binds 127.0.0.1 instead of every interface; it still starts the same
+  ``TCPStore(is_master=True, multi_tenant=True)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import resource
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+
+# Imported here so that the forkserver preloads them (a fork then costs milliseconds, not the
+# seconds of importing torch in every worker of every run).
+import torch.distributed as dist
+import urllib3
+from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
+from torch.distributed.elastic.rendezvous import api as rdzv_api
+from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d_backend
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+import consul_rdzv.torch  # noqa: F401  (loaded by torch's entry point anyway)
+
+try:  # python-etcd is optional (the "bench" extra)
+    import etcd  # noqa: F401
+    from torch.distributed.elastic.rendezvous import etcd_rendezvous_backend  # noqa: F401
+    from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+except Exception:  # pragma: no cover - recorded by the runner when etcd-v2 is asked for
+    EtcdStore = None
+
+_lock = threading.Lock()
+_tls = threading.local()
+WIRE = Counter()  # HTTP requests of this process, by method
+HTTP_TIMES: dict[str, list[float]] = {}  # consul: seconds per request, by endpoint category
+
+
+def _consul_category(method: str, path: str, params: dict | None) -> str:
+    parts = path.split("/")
+    if len(parts) > 3 and parts[2] in ("agent", "session"):
+        cat = "/".join(parts[2:4])
+    else:
+        cat = parts[2] if len(parts) > 2 else path
+    if params and params.get("index") is not None:
+        cat += " (blocking)"
+    return f"{method} {cat}"
+
+
+def _bump(obj, key: str, n: int = 1) -> None:
+    with _lock:
+        counter = obj.__dict__.get("_bench_ops")
+        if counter is None:
+            counter = obj.__dict__["_bench_ops"] = Counter()
+        counter[key] += n
+
+
+def install_hooks() -> None:
+    if getattr(install_hooks, "done", False):
+        return
+    install_hooks.done = True
+
+    original_call_store = c10d_backend.C10dRendezvousBackend._call_store
+
+    def _call_store(self, store_op, *args, **kwargs):
+        _bump(self, store_op)
+        return original_call_store(self, store_op, *args, **kwargs)
+
+    c10d_backend.C10dRendezvousBackend._call_store = _call_store
+
+    original_pm_urlopen = urllib3.PoolManager.urlopen
+
+    def pm_urlopen(self, method, url, redirect=True, **kw):
+        tag = "store" if getattr(_tls, "in_store", 0) else "rdzv"
+        _bump(self, f"{tag} {method}")
+        return original_pm_urlopen(self, method, url, redirect=redirect, **kw)
+
+    urllib3.PoolManager.urlopen = pm_urlopen
+
+    original_cp_urlopen = urllib3.connectionpool.HTTPConnectionPool.urlopen
+
+    def cp_urlopen(self, method, url, *args, **kw):
+        with _lock:
+            WIRE[method] += 1
+        return original_cp_urlopen(self, method, url, *args, **kw)
+
+    urllib3.connectionpool.HTTPConnectionPool.urlopen = cp_urlopen
+
+    if EtcdStore is not None:
+        for name in ("set", "get", "add", "wait", "check", "compare_set", "multi_get",
+                     "multi_set", "delete_key", "num_keys"):
+            fn = getattr(EtcdStore, name, None)
+            if fn is None:
+                continue
+
+            def tagged(self, *args, __fn=fn, **kwargs):
+                _tls.in_store = getattr(_tls, "in_store", 0) + 1
+                try:
+                    return __fn(self, *args, **kwargs)
+                finally:
+                    _tls.in_store -= 1
+
+            setattr(EtcdStore, name, tagged)
+
+    original_build = rdzv_api.RendezvousStoreInfo.build
+
+    class _CountingStore:
+        def __init__(self, store):
+            self._store = store
+
+        def set(self, *args, **kwargs):
+            _count_bootstrap()
+            return self._store.set(*args, **kwargs)
+
+        def get(self, *args, **kwargs):
+            _count_bootstrap()
+            return self._store.get(*args, **kwargs)
+
+    def _count_bootstrap():
+        node = getattr(_tls, "node", None)
+        if node is not None:
+            node.bootstrap_ops += 1
+
+    def build(rank, store, local_addr, server_port=None):
+        return original_build(rank, _CountingStore(store), local_addr, server_port)
+
+    rdzv_api.RendezvousStoreInfo.build = staticmethod(build)
+
+    def _create_tcp_store_server(self, master_addr, master_port):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", master_port or 0))
+        sock.listen(4096)
+        port = sock.getsockname()[1]
+        return dist.TCPStore(host_name="127.0.0.1", port=port, is_master=True,
+                             multi_tenant=True, wait_for_workers=False,
+                             master_listen_fd=sock.detach(),
+                             timeout=datetime.timedelta(seconds=300))
+
+    dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = \
+        _create_tcp_store_server
+
+    from consul_rdzv.client import ConsulClient
+
+    original_request = ConsulClient._request
+
+    def _request(self, method, path, **kwargs):
+        t = time.monotonic()
+        try:
+            return original_request(self, method, path, **kwargs)
+        finally:
+            cat = _consul_category(method, path, kwargs.get("params"))
+            with _lock:
+                HTTP_TIMES.setdefault(cat, []).append(time.monotonic() - t)
+
+    ConsulClient._request = _request
+
+    # The consul handler opens its trainer-store TCPStore inside next_rendezvous(): time it.
+    import consul_rdzv.torch as consul_torch
+
+    real_tcpstore = consul_torch.TCPStore
+
+    def timed_tcpstore(*args, **kwargs):
+        master = args[3] if len(args) > 3 else kwargs.get("is_master", False)
+        t = time.monotonic()
+        try:
+            return real_tcpstore(*args, **kwargs)
+        finally:
+            cat = "TCPStore server start" if master else "TCPStore client connect"
+            with _lock:
+                HTTP_TIMES.setdefault(cat, []).append(time.monotonic() - t)
+
+    consul_torch.TCPStore = timed_tcpstore
+
+
+class Node:
+    """One simulated node: its handler, its thread and what it measured."""
+
+    def __init__(self, idx: int, backend: str, handler) -> None:
+        self.idx = idx
+        self.backend = backend
+        self.handler = handler
+        self.rejoin = threading.Event()
+        self.rejoin_cause = ""
+        self.rejoin_at: float | None = None
+        self.detected_at: float | None = None
+        self.killed = False
+        self.bootstrap_ops = 0
+        self.infos = []
+        self.nnw_calls = 0
+        self.nnw_time = 0.0
+        self.nnw_errors = 0
+        self.nnw_last_error = ""
+        self.profiles = []
+
+    # -- identity
+    @property
+    def name(self) -> str:
+        if self.backend == "consul":
+            return self.handler.rendezvous.node_id
+        return str(self.handler._this_node)
+
+    # -- request counters
+    def _ops(self) -> Counter:
+        if self.backend == "consul":
+            client = self.handler.rendezvous.client
+            with client._lock:
+                return Counter(client.request_counts)
+        if self.backend == "c10d":
+            backend = self.handler._state_holder._backend
+            return Counter(backend.__dict__.get("_bench_ops") or {})
+        http = self.handler._state_holder._backend._client.http
+        return Counter(http.__dict__.get("_bench_ops") or {})
+
+    def counts(self) -> Counter:
+        return self._ops()
+
+    @staticmethod
+    def state_requests(ops: Counter, backend: str) -> int:
+        """Requests to the rendezvous state (etcd: without the EtcdStore bootstrap)."""
+        if backend == "etcd-v2":
+            return sum(v for k, v in ops.items() if k.startswith("rdzv "))
+        return sum(ops.values())
+
+    def round_of(self, info) -> int | None:
+        if self.backend == "consul":
+            return info.result.round
+        return self.handler._state_holder.state.round
+
+    def kill(self) -> None:
+        """Thread-mode death: stop this node's heartbeat/keep-alive, no cleanup at all."""
+        self.killed = True
+        if self.backend == "consul":
+            rdzv = self.handler.rendezvous
+            if rdzv._heartbeat is not None:
+                rdzv._heartbeat.stop()
+            with rdzv._lock:
+                rdzv._generation += 1  # the training watch ends after its current query
+        else:
+            self.handler._stop_heartbeats()
+
+
+def _round(node: Node, phase: int, out) -> None:
+    before = node.counts()
+    node.bootstrap_ops = 0
+    profiler = cpu_profiler = None
+    if PROFILE == "wall":
+        from pyinstrument import Profiler
+
+        profiler = Profiler(interval=0.001, async_mode="disabled")
+        profiler.start()
+    elif PROFILE == "cpu":
+        import cProfile
+
+        cpu_profiler = cProfile.Profile(timer=time.thread_time)
+        cpu_profiler.enable()
+    t0 = time.monotonic()
+    rec = {"type": "result", "idx": node.idx, "phase": phase, "pid": os.getpid(),
+           "t_start": t0, "cause": node.rejoin_cause, "rejoin_at": node.rejoin_at,
+           "detected_at": node.detected_at}
+    try:
+        info = node.handler.next_rendezvous()
+        t1 = time.monotonic()
+        node.infos.append(info)  # keep the stores alive
+        ops = node.counts() - before
+        rec.update(ok=True, t_end=t1, rank=int(info.rank), world=int(info.world_size),
+                   round=node.round_of(info),
+                   requests=Node.state_requests(ops, node.backend), ops=dict(ops),
+                   bootstrap_ops=node.bootstrap_ops)
+        bsi = getattr(info, "bootstrap_store_info", None)
+        if bsi is not None:
+            rec["endpoint"] = f"{bsi.master_addr}:{bsi.master_port}"
+        if node.backend == "consul":
+            res = info.result
+            rec.update(product_requests=res.requests, seal_id=res.seal_id,
+                       coordinator=res.coordinator, sealed_wall=res.timings.get("sealed"),
+                       first_join_wall=res.timings.get("first_join"),
+                       released_wall=res.timings.get("released"),
+                       join_started_wall=res.timings.get("join_started"))
+    except BaseException as exc:
+        rec.update(ok=False, t_end=time.monotonic(),
+                   error=f"{type(exc).__name__}: {exc}"[:600])
+        logging.getLogger("bench").warning("node %d phase %d failed:\n%s", node.idx, phase,
+                                           traceback.format_exc())
+    if profiler is not None:
+        profiler.stop()
+        node.profiles.append(profiler.last_session)
+    if cpu_profiler is not None:
+        cpu_profiler.disable()
+        node.profiles.append(cpu_profiler)
+    out.put(rec)
+
+
+def _node_thread(node: Node, go: threading.Event, out) -> None:
+    _tls.node = node
+    go.wait()
+    _round(node, 1, out)
+    node.rejoin.wait()
+    if not node.killed:
+        _round(node, 2, out)
+
+
+class Monitor(threading.Thread):
+    """torchrun's agent loop: ``num_nodes_waiting()`` on every node every ``interval`` seconds.
+
+    With ``trigger`` set, a node that sees a waiting node re-rendezvouses (as the agent's
+    ``_restart_workers`` does). Detections are reported either way.
+    """
+
+    def __init__(self, nodes: list[Node], interval: float, trigger: bool, out) -> None:
+        super().__init__(name="bench-monitor", daemon=True)
+        self.nodes = nodes
+        self.interval = interval
+        self.trigger = trigger
+        self.out = out
+        self.stop_event = threading.Event()
+        self.ticks = 0
+        self.late_ticks = 0
+
+    def run(self) -> None:
+        next_tick = time.monotonic()
+        while not self.stop_event.is_set():
+            for node in self.nodes:
+                if node.killed or node.rejoin.is_set():
+                    continue
+                t = time.monotonic()
+                try:
+                    waiting = node.handler.num_nodes_waiting()
+                except Exception as exc:
+                    node.nnw_errors += 1
+                    node.nnw_last_error = f"{type(exc).__name__}: {exc}"[:300]
+                    waiting = 0
+                node.nnw_time += time.monotonic() - t
+                node.nnw_calls += 1
+                if waiting > 0 and node.detected_at is None:
+                    node.detected_at = t
+                    self.out.put({"type": "detect", "idx": node.idx, "t": t, "waiting": waiting})
+                    if self.trigger:
+                        node.rejoin_cause = "detected"
+                        node.rejoin_at = time.monotonic()
+                        node.rejoin.set()
+            self.ticks += 1
+            next_tick += self.interval
+            delay = next_tick - time.monotonic()
+            if delay > 0:
+                self.stop_event.wait(delay)
+            else:
+                self.late_ticks += 1
+                next_tick = time.monotonic()
+
+
+def _train(nodes: list[Node], seconds: float, interval: float, out) -> dict:
+    """Training-time load: requests per node while num_nodes_waiting() is polled."""
+    live = [n for n in nodes if not n.killed]
+    wire0 = sum(WIRE.values())
+    before = {n.idx: n.counts() for n in live}
+    calls0 = {n.idx: (n.nnw_calls, n.nnw_time) for n in live}
+    mon = Monitor(live, interval, False, out)
+    t0 = time.monotonic()
+    mon.start()
+    time.sleep(seconds)
+    mon.stop_event.set()
+    mon.join()
+    elapsed = time.monotonic() - t0
+    per_node = []
+    for n in live:
+        ops = n.counts() - before[n.idx]
+        calls = n.nnw_calls - calls0[n.idx][0]
+        per_node.append({
+            "idx": n.idx, "requests": sum(ops.values()),
+            "state_requests": Node.state_requests(ops, n.backend), "ops": dict(ops),
+            "nnw_calls": calls,
+            "nnw_mean_s": (n.nnw_time - calls0[n.idx][1]) / calls if calls else None,
+            "errors": n.nnw_errors, "last_error": n.nnw_last_error,
+        })
+    # Tight loop on one node: how many requests do 200 back-to-back calls cost?
+    probe = None
+    if live:
+        node = live[0]
+        c0 = node.counts()
+        t = time.monotonic()
+        for _ in range(200):
+            node.handler.num_nodes_waiting()
+        probe = {"calls": 200, "seconds": time.monotonic() - t,
+                 "requests": sum((node.counts() - c0).values())}
+    return {"type": "train", "pid": os.getpid(), "seconds": elapsed, "per_node": per_node,
+            "wire_requests": sum(WIRE.values()) - wire0, "ticks": mon.ticks,
+            "late_ticks": mon.late_ticks, "probe": probe}
+
+
+PROFILE: str | None = None
+
+
+def _save_profile(nodes: list[Node], path: str) -> bool:
+    sessions = [p for n in nodes for p in n.profiles]
+    if not sessions:
+        return False
+    if PROFILE == "cpu":
+        import pstats
+
+        stats = pstats.Stats(sessions[0])
+        for other in sessions[1:]:
+            stats.add(other)
+        stats.dump_stats(path)
+        return True
+    from pyinstrument.session import Session
+
+    combined = sessions[0]
+    for other in sessions[1:]:
+        combined = Session.combine(combined, other)
+    combined.save(path)
+    return True
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def main(spec: dict, conn, go_mp, out) -> None:
+    """Entry point of one worker process (started by the forkserver)."""
+    if spec.get("hosts_file"):
+        from bench.servers import use_hosts_file
+
+        use_hosts_file(spec["hosts_file"])  # first: the process is still single-threaded
+    log = open(spec["log_path"], "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+    os.dup2(log.fileno(), 2)
+    sys.stderr = log
+    logging.basicConfig(level=spec.get("log_level", "WARNING"), stream=log, force=True,
+                        format="%(asctime)s %(process)d %(threadName)s %(name)s "
+                               "%(levelname)s %(message)s")
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    install_hooks()
+    global PROFILE
+    PROFILE = spec.get("profile") or None
+    backend = spec["backend"]
+    nodes: list[Node] = []
+    try:
+        for idx in spec["nodes"]:
+            conf = dict(spec["conf"])
+            if backend == "consul":
+                conf["node_id"] = f"n{idx:04d}"
+            params = RendezvousParameters(
+                backend=backend, endpoint=spec["endpoint"], run_id=spec["run_id"],
+                min_nodes=spec["min_nodes"], max_nodes=spec["max_nodes"],
+                local_addr="127.0.0.1", **conf)
+            nodes.append(Node(idx, backend, get_rendezvous_handler(params)))
+    except BaseException as exc:
+        out.put({"type": "fatal", "pid": os.getpid(),
+                 "error": f"handler creation failed: {type(exc).__name__}: {exc}"[:600]})
+        log.write(traceback.format_exc())
+        log.flush()
+        os._exit(1)
+
+    go = threading.Event()
+    threads = [threading.Thread(target=_node_thread, args=(n, go, out), daemon=True,
+                                name=f"node-{n.idx}") for n in nodes]
+    for t in threads:
+        t.start()
+
+    def relay():
+        go_mp.wait()
+        with _lock:
+            HTTP_TIMES.clear()  # latencies of the round only, not of handler creation
+        go.set()
+
+    threading.Thread(target=relay, daemon=True, name="go-relay").start()
+    out.put({"type": "ready", "pid": os.getpid(), "nodes": {n.idx: n.name for n in nodes},
+             "cpu": _cpu(),
+             "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0]})
+
+    by_idx = {n.idx: n for n in nodes}
+    monitor: Monitor | None = None
+    while True:
+        try:
+            cmd = conn.recv()
+        except EOFError:
+            os._exit(0)
+        op = cmd[0]
+        if op == "exit":
+            log.flush()
+            os._exit(0)
+        elif op == "train":
+            out.put(_train(nodes, cmd[1], cmd[2], out))
+        elif op == "monitor":
+            _, interval, trigger = cmd
+            monitor = Monitor([n for n in nodes if not n.killed], interval, trigger, out)
+            monitor.start()
+        elif op == "kill":
+            node = by_idx[cmd[1]]
+            node.kill()
+            out.put({"type": "killed", "idx": node.idx, "t": time.monotonic()})
+        elif op == "rejoin":
+            t = time.monotonic()
+            for n in nodes:
+                if not n.killed and not n.rejoin.is_set():
+                    n.rejoin_cause = "told"
+                    n.rejoin_at = t
+                    n.rejoin.set()
+        elif op == "cpu":
+            with _lock:
+                times = {k: list(v) for k, v in HTTP_TIMES.items()}
+                HTTP_TIMES.clear()
+            out.put({"type": "cpu", "pid": os.getpid(), "cpu": _cpu(), "http": times})
+        elif op == "profile":
+            saved = _save_profile(nodes, cmd[1])
+            out.put({"type": "profiled", "pid": os.getpid(), "path": cmd[1] if saved else None})
+        elif op == "stats":
+            out.put({"type": "stats", "pid": os.getpid(),
+                     "monitor": None if monitor is None else
+                     {"ticks": monitor.ticks, "late_ticks": monitor.late_ticks},
+                     "nnw": {n.idx: [n.nnw_calls, n.nnw_time, n.nnw_errors, n.nnw_last_error]
+                             for n in nodes}})
