@@ -189,6 +189,7 @@ class ConsulRendezvous:
         self._waiting = 0
         self._heartbeat: _Heartbeat | None = None
         self._watch: threading.Thread | None = None
+        self._watch_generation = -1
         self._left = False
         self._meta: dict[str, str] = {"state": "joining"}
         self._meta_changed = 0.0
@@ -365,8 +366,11 @@ class ConsulRendezvous:
     # ------------------------------------------------------------------ registration
 
     def _op_deadline(self, deadline: float | None = None) -> float:
-        limit = time.monotonic() + self.settings.consul_timeout
-        return limit if deadline is None else min(deadline, limit)
+        """The hard deadline of one Consul call: the caller's (the join deadline), or
+        ``consul_timeout`` from now. The client stops retrying ``consul_timeout`` after the
+        call's first failure in any case, so a slow answer is retried but an outage is not
+        ridden out for longer than ``consul_timeout``."""
+        return time.monotonic() + self.settings.consul_timeout if deadline is None else deadline
 
     def _blocking_list(self, prefix: str, index: BlockingIndex, wait: float,
                        deadline: float) -> QueryResult:
@@ -675,7 +679,15 @@ class ConsulRendezvous:
         thread = threading.Thread(target=self._watch_loop, args=(result, generation),
                                   name=f"consul-rdzv-watch-{self.node_id}", daemon=True)
         self._watch = thread
+        self._watch_generation = generation
         thread.start()
+
+    def _watching(self) -> bool:
+        """True while the training watch of the current round runs: it sees our member key
+        vanish when our session is invalidated, so the heartbeat need not renew the session."""
+        watch = self._watch
+        return (watch is not None and watch.is_alive()
+                and self._watch_generation == self._generation)
 
     def _watch_loop(self, result: RoundResult, generation: int) -> None:
         index = BlockingIndex(result.members_index)
@@ -716,7 +728,8 @@ class ConsulRendezvous:
 
 
 class _Heartbeat(threading.Thread):
-    """Passes the node's TTL check every ``heartbeat_interval`` and renews its session.
+    """Passes the node's TTL check every ``heartbeat_interval``; renews (probes) its session
+    while no training watch is running.
 
     Waits on an Event (stop or wake), beats early rather than late, warns when a beat overruns.
     """
@@ -778,7 +791,10 @@ class _Heartbeat(threading.Thread):
             # service again and creates the new session bound to it, which takes the check
             # passing (a slow session create must not let its TTL run out).
             node.client.agent_check_update(node.check_id, "pass", deadline=deadline)
-            if not node._lost.is_set():
+            # The session has no TTL: renewing it only asks whether it still exists. While the
+            # training watch runs it answers that for free (our member key is the session's),
+            # which halves a training node's requests; joining nodes still ask.
+            if not node._lost.is_set() and not node._watching():
                 node.client.session_renew(session, deadline=deadline)
             self._failures = 0
         except (ConsulNotFound, ConsulSessionInvalid) as exc:

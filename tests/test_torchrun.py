@@ -142,14 +142,17 @@ def test_failed_worker_group_restarts_and_finishes(agent, prefix, run_id, tmp_pa
         report = job.report()
         failed = [a for a in job.agents if "injected failure" in a.log()]
         assert len(failed) == 1, report
-        assert "Worker group FAILED. 1/1 attempts left; will restart" in failed[0].log(), report
-        # restart_count is per agent: the failed one used its restart. The other agent's worker
-        # was blocked in an allreduce; that agent restarted either because its worker failed
-        # too (counted) or because it saw the failed node rejoin first (a membership change,
-        # which torch does not count).
-        assert results[1]["restarts"] == 1, report
-        assert results[0]["restarts"] in (0, 1), report
-        assert [e["restarts"] for e in job.starts() if e["rank"] == 1] == [0, 1], report
+        # restart_count is per agent, and which agent counts the failure is a race in torch's
+        # monitor loop: the failed worker's agent sees its worker exit 1 (counted), unless the
+        # other agent, whose worker died with its peer, re-rendezvoused first, so that it sees
+        # a membership change (not counted). At least one agent must have used its restart.
+        restarted = [a for a in job.agents
+                     if "Worker group FAILED. 1/1 attempts left; will restart" in a.log()]
+        assert restarted, report
+        assert max(r["restarts"] for r in results) == 1, report
+        assert all(r["restarts"] in (0, 1) for r in results), report
+        # The worker of rank 1 failed once and was started again, in the same world.
+        assert len([e for e in job.starts() if e["rank"] == 1]) == 2, report
 
 
 @pytest.mark.timeout(400)
