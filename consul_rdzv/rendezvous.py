@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import logging
 import os
+import random
 import re
 import socket
 import threading
@@ -55,8 +56,13 @@ _SEQ = itertools.count()
 #: Longest single blocking query while waiting for a round (a return is cheap; it lets the
 #: waiter notice a lost session or a passed deadline).
 ROUND_WAIT = 10.0
-#: Delay between a round's return and publishing its round/rank in the service meta.
+#: Delay between a round's return and publishing its round/rank in the service meta ...
 META_DELAY = 0.5
+#: ... plus a random share of world_size x META_SPREAD seconds (at most META_SPREAD_MAX): each
+#: publish is a service registration, which a Consul agent serialises, so the nodes of a large
+#: world sharing one agent must not all re-register at the same instant.
+META_SPREAD = 0.004
+META_SPREAD_MAX = 5.0
 #: Longest blocking query of the training-time membership watch.
 WATCH_WAIT = 300.0
 
@@ -262,10 +268,11 @@ class ConsulRendezvous:
         self._round = result
         self._last_round_no = result.round
         self._meta = {"state": "training", "round": str(result.round), "rank": str(result.rank)}
-        self._meta_changed = time.monotonic()
+        self._meta_changed = time.monotonic() + random.uniform(
+            0.0, min(META_SPREAD_MAX, result.world_size * META_SPREAD))
         self._start_watch(result)
         if self._heartbeat:
-            self._heartbeat.wake()  # it publishes the new meta META_DELAY from now
+            self._heartbeat.wake()  # it publishes the new meta META_DELAY (+ spread) from now
         logger.info("Node %s joined round %d of run %s as rank %d of %d (%.3fs, %d Consul "
                     "requests).", self.node_id, result.round, self.run_id, result.rank,
                     result.world_size, result.timings["released"] - started, result.requests)
