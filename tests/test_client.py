@@ -760,6 +760,41 @@ def test_call_succeeds_if_agent_comes_back_before_deadline(fresh_agent, prefix):
     assert retries > 1
 
 
+def test_retries_end_retry_timeout_after_the_first_failure(fresh_agent):
+    # A frozen agent: every attempt times out after 0.5 s. The caller's deadline is far off;
+    # the retries stop 1 s after the first failure, not at that deadline.
+    client = ConsulClient(fresh_agent.config(), timeout=0.5, retry_timeout=1.0)
+    try:
+        fresh_agent.freeze()
+        try:
+            started = time.monotonic()
+            with pytest.raises(ConsulUnavailableError, match="timed out"):
+                client.status_leader(deadline=started + 30)
+            took = time.monotonic() - started
+        finally:
+            fresh_agent.thaw()
+        assert 1.4 <= took < 5.0, f"gave up after {took:.2f}s"
+        assert client.request_counts["GET status"] >= 2
+    finally:
+        client.close()
+
+
+def test_an_answer_slower_than_the_read_timeout_is_retried(fresh_agent):
+    # The first attempt times out (the agent is frozen for 1.2 s, the read timeout is 0.5 s);
+    # the call is retried within retry_timeout of that failure and succeeds once it answers.
+    client = ConsulClient(fresh_agent.config(), timeout=0.5, retry_timeout=5.0)
+    timer = threading.Timer(1.2, fresh_agent.thaw)
+    try:
+        fresh_agent.freeze()
+        timer.start()
+        assert client.status_leader(deadline=time.monotonic() + 10)
+        assert client.request_counts["GET status"] >= 2
+    finally:
+        timer.join()
+        fresh_agent.thaw()
+        client.close()
+
+
 def test_call_raises_unavailable_if_agent_is_frozen(fresh_agent):
     client = ConsulClient(fresh_agent.config(), timeout=0.3)
     try:

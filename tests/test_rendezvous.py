@@ -614,6 +614,19 @@ def test_session_destroyed_from_outside_while_training(cluster, caplog):
     figure(f"session destroyed from outside: the node noticed after {noticed * 1000:.0f}ms")
 
 
+def test_training_heartbeat_passes_the_check_without_probing_the_session(cluster):
+    # During training the watch sees our member key vanish if the session dies, so the heartbeat
+    # only passes the TTL check (one request a beat, not two).
+    settings = cluster.settings(min_nodes=2, max_nodes=2)
+    a, b = cluster.node("a", settings), cluster.node("b", settings)
+    assert_round_ok(cluster.rounds([a, b], timeout=20), 2, 2)
+    before = dict(a.client.request_counts)
+    wait_for(lambda: a.client.request_counts["PUT agent"] >= before.get("PUT agent", 0) + 3,
+             HB * 5, "three heartbeats of a")
+    assert a.client.request_counts["PUT session"] == before.get("PUT session", 0)
+    assert a.num_nodes_waiting() == 0
+
+
 def test_session_destroyed_while_coordinating(cluster):
     settings = cluster.settings(min_nodes=2, max_nodes=2)
     a, b = cluster.node("a", settings), cluster.node("b", settings)
