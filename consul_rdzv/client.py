@@ -1,12 +1,13 @@
 """A thin, typed client for the parts of Consul's HTTP API the rendezvous needs.
 
-Design rules (see docs/client.md):
+Design rules (see docs/consul.md, "Why our own client"):
 
 * Every HTTP call has a timeout. A blocking query's read timeout is ``wait + wait/16 + slack``
   because the server adds up to wait/16 of jitter.
 * Consul's answers become typed exceptions in exactly one function, :func:`_raise_for`.
 * Retries live in one place, :meth:`ConsulClient._call`: only ``ConsulUnavailableError`` is
-  retried, with jittered exponential backoff, until the call's monotonic deadline.
+  retried, with jittered exponential backoff, until the call's monotonic deadline and at most
+  ``retry_timeout`` past its first failure.
 * The ACL token travels only in the ``X-Consul-Token`` header; it is never logged or shown.
 """
 
@@ -490,6 +491,19 @@ class ConsulClient:
         params = {"keys": "", "separator": separator}
         resp = self._call("GET", f"/v1/kv/{prefix}", params=params, deadline=deadline, ok_404=True)
         return [] if resp.status_code == 404 else resp.json()
+
+    def kv_keys_query(self, prefix: str, *, index: int | None = None, wait: float | None = None,
+                      deadline: float | None = None) -> QueryResult:
+        """The key names under ``prefix`` (``data``: list of str), as a possibly blocking query.
+
+        A tenth of a ``kv_list``'s bytes for small values, and nothing to decode: what a watcher
+        that only needs to see keys come and go should block on.
+        """
+        params, read_timeout = self._blocking_params(index, wait)
+        params["keys"] = ""
+        resp = self._call("GET", f"/v1/kv/{prefix}", params=params, read_timeout=read_timeout,
+                          deadline=deadline, ok_404=True)
+        return QueryResult(self._index(resp), [] if resp.status_code == 404 else resp.json())
 
     def kv_put(self, key: str, value: bytes, *, cas: int | None = None,
                acquire: str | None = None, release: str | None = None,

@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .client import BlockingIndex, ConsulClient, QueryResult, txn_kv
@@ -149,12 +149,16 @@ def count_waiting(state: RunState, result: RoundResult, max_nodes: int) -> int:
     re-rendezvous now rather than hang in a collective); waiting nodes count only while the round
     has room for them, as in torch's c10d backend.
     """
-    members = state.members
+    return _count_waiting({n: m.modify_index for n, m in state.members.items()}, result,
+                          max_nodes)
+
+
+def _count_waiting(members: Mapping[str, int], result: RoundResult, max_nodes: int) -> int:
+    """:func:`count_waiting` on ``{node id: ModifyIndex of its member key}``."""
     gone = [n for n in result.participants if n not in members]
     active = [n for n in result.participants
-              if n in members and members[n].modify_index <= result.members_index]
-    waiting = [n for n, m in members.items()
-               if n not in active]
+              if n in members and members[n] <= result.members_index]
+    waiting = [n for n in members if n not in active]
     room = len(active) < max_nodes
     return len(gone) + (len(waiting) if room else 0)
 
@@ -697,12 +701,36 @@ class ConsulRendezvous:
                 and self._watch_generation == self._generation)
 
     def _watch_loop(self, result: RoundResult, generation: int) -> None:
+        """Keeps ``num_nodes_waiting()`` current during training.
+
+        Blocks on the member key *names* (``?keys``), and reads the values (for their
+        ModifyIndex) only when the names cannot tell: a key was added or rewritten. When keys
+        only vanished and a participant is among them (a node died: the case that matters at
+        scale, where every survivor wakes at once), the names are enough; a full read of a
+        1024-node run is ~430 KB and ~9 ms of client CPU per watcher, the names ~24 KB and
+        0.3 ms.
+        """
+        prefix = self.keys.members
         index = BlockingIndex(result.members_index)
+        # node id -> ModifyIndex of its member key at our last full read. The participants were
+        # members at the seal, written at or before its members_index.
+        known: dict[str, int] = dict.fromkeys(result.participants, 0)
         failures = 0
         while self._generation == generation:
             try:
-                res = self.client.kv_list(self.keys.members, index=index.param, wait=WATCH_WAIT,
-                                          deadline=time.monotonic())  # retried below
+                res = self.client.kv_keys_query(prefix, index=index.param, wait=WATCH_WAIT,
+                                                deadline=time.monotonic())  # retried below
+                names = {k[len(prefix):] for k in res.data}
+                changed = res.index != index.index or names != known.keys()
+                index.update(res.index)
+                died = names < known.keys() and any(
+                    p in known and p not in names for p in result.participants)
+                if died:
+                    known = {n: known[n] for n in names}
+                elif changed:
+                    full = self.client.kv_list(prefix, deadline=time.monotonic())
+                    index.update(full.index)
+                    known = {e.key[len(prefix):]: e.modify_index for e in full.data}
                 failures = 0
             except ConsulError as exc:
                 # After a failure, read without blocking: Consul may be back with lower indexes
@@ -714,19 +742,11 @@ class ConsulRendezvous:
                                    self.node_id, self.run_id, exc)
                 time.sleep(min(0.1 * 2 ** failures, 2.0))
                 continue
-            index.update(res.index)
-            try:
-                state = RunState(members={
-                    e.key[len(self.keys.members):]: Member.decode(e) for e in res.data
-                })
-            except RendezvousStateError as exc:
-                logger.error("Node %s: %s", self.node_id, exc)
-                continue
-            waiting = count_waiting(state, result, self.settings.max_nodes)
+            waiting = _count_waiting(known, result, self.settings.max_nodes)
             with self._lock:
                 if self._generation != generation:
                     return  # a new next_round() rewrites our key: its absence means nothing
-                if self.node_id not in state.members:
+                if self.node_id not in known:
                     self._mark_lost("its member key was deleted (session invalidated)")
                 if waiting != self._waiting:
                     logger.info("Node %s sees %d node(s) waiting in run %s (round %d).",

@@ -627,6 +627,34 @@ def test_training_heartbeat_passes_the_check_without_probing_the_session(cluster
     assert a.num_nodes_waiting() == 0
 
 
+def test_training_watch_reads_key_names_on_a_death_and_values_on_a_rejoin(cluster):
+    # At scale every survivor's watch wakes when one node dies: the names of the member keys
+    # tell it, without reading (and decoding) every member's value.
+    settings = cluster.settings(min_nodes=2, max_nodes=3)
+    a, b, c = (cluster.node(i, settings) for i in "abc")
+    assert_round_ok(cluster.rounds([a, b, c], timeout=20), 2, 3)
+    full_reads: dict[str, int] = {"a": 0, "b": 0}
+    for node in (a, b):
+        def spy(*args, _id=node.node_id, _orig=node.client.kv_list, **kwargs):
+            full_reads[_id] += 1
+            return _orig(*args, **kwargs)
+        node.client.kv_list = spy
+
+    cluster.admin.session_destroy(c.session_id)  # c's member key goes with its session
+    wait_for(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1, 5,
+             "a and b see c gone")
+    assert full_reads == {"a": 0, "b": 0}
+
+    # a asks for a new round: its key is rewritten under the same name, which only the values
+    # (ModifyIndex) show; b reads them and counts c gone plus a waiting.
+    pending = cluster.start([a])
+    wait_for(lambda: b.num_nodes_waiting() == 2, 5, "b sees a waiting for a new round")
+    assert full_reads["b"] >= 1
+    second = cluster.gather({**pending, **cluster.start([b])}, timeout=20)
+    assert_round_ok(second, 2, 3)
+    assert one(second).world_size == 2 and one(second).round == 2
+
+
 def test_session_destroyed_while_coordinating(cluster):
     settings = cluster.settings(min_nodes=2, max_nodes=2)
     a, b = cluster.node("a", settings), cluster.node("b", settings)
