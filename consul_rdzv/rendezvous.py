@@ -436,7 +436,8 @@ class ConsulRendezvous:
         op = self._op_deadline(deadline)
         old = self._session
         self._meta = {"state": "joining"}
-        self._register_service(op)
+        if not self._service_still_registered(old, op):
+            self._register_service(op)
         session = self._create_session(op)
         # Switch sessions before clearing _lost: the heartbeat must never judge the new
         # registration by the old session (a failed renew of the old one would mark us lost).
@@ -452,6 +453,23 @@ class ConsulRendezvous:
         if self._heartbeat is None:
             self._heartbeat = _Heartbeat(self)
             self._heartbeat.start()
+
+    def _service_still_registered(self, old_session: str | None, deadline: float) -> bool:
+        """After a lost session, is our service (and its check) still on the agent?
+
+        A session usually dies because its check went critical (heartbeats late on an
+        overloaded agent) while the service stays registered. Then passing the check is all a
+        new session needs, and it spares the agent a service registration, which it serialises
+        at O(services) each: a thousand nodes re-registering at once is how an overloaded agent
+        stays overloaded. A 404 means the agent forgot us (restart): register again.
+        """
+        if old_session is None:
+            return False
+        try:
+            self.client.agent_check_update(self.check_id, "pass", deadline=deadline)
+        except ConsulNotFound:
+            return False
+        return True
 
     def _create_session(self, deadline: float) -> str:
         """Create our session bound to the TTL check.

@@ -596,11 +596,23 @@ def test_session_destroyed_from_outside_while_training(cluster, caplog):
     noticed = time.monotonic() - destroyed
     wait_for(lambda: b.num_nodes_waiting() >= 1, 5, "b sees a's member key vanish")
 
+    # The service and its check outlived the session: the new session needs no new service
+    # registration (the agent serialises those), only the check passed.
+    joins: list[str] = []
+    original = a._register_service
+
+    def spy(deadline, _orig=original):
+        if not threading.current_thread().name.startswith("consul-rdzv-heartbeat"):
+            joins.append(threading.current_thread().name)  # not the async meta publish
+        return _orig(deadline)
+
+    a._register_service = spy
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="consul_rdzv.rendezvous"):
         second = cluster.rounds([a, b], timeout=20)
     assert_round_ok(second, 2, 2)
     assert one(second).round == 2
+    assert joins == [], "the service was registered again although it still existed"
     assert a.session_id not in (None, old)
     registrations = [r for r in caplog.records if r.getMessage().startswith("Node a of run ")
                      and "registered service" in r.getMessage()]
