@@ -59,10 +59,11 @@ ROUND_WAIT = 10.0
 #: Delay between a round's return and publishing its round/rank in the service meta ...
 META_DELAY = 0.5
 #: ... plus a random share of world_size x META_SPREAD seconds (at most META_SPREAD_MAX): each
-#: publish is a service registration, which a Consul agent serialises, so the nodes of a large
-#: world sharing one agent must not all re-register at the same instant.
-META_SPREAD = 0.004
-META_SPREAD_MAX = 5.0
+#: publish is a service registration, which a Consul agent serialises and syncs to the servers
+#: under the lock that TTL check passes also need (a few ms each). The nodes of a large world
+#: sharing one agent must not all re-register at once, or their heartbeats starve.
+META_SPREAD = 0.02
+META_SPREAD_MAX = 30.0
 #: Longest blocking query of the training-time membership watch.
 WATCH_WAIT = 300.0
 
