@@ -488,11 +488,10 @@ class ConsulClient:
 
     def kv_keys(self, prefix: str, *, separator: str | None = None,
                 deadline: float | None = None) -> list[str]:
-        params = {"keys": "", "separator": separator}
-        resp = self._call("GET", f"/v1/kv/{prefix}", params=params, deadline=deadline, ok_404=True)
-        return [] if resp.status_code == 404 else resp.json()
+        return self.kv_keys_query(prefix, separator=separator, deadline=deadline).data
 
-    def kv_keys_query(self, prefix: str, *, index: int | None = None, wait: float | None = None,
+    def kv_keys_query(self, prefix: str, *, separator: str | None = None,
+                      index: int | None = None, wait: float | None = None,
                       deadline: float | None = None) -> QueryResult:
         """The key names under ``prefix`` (``data``: list of str), as a possibly blocking query.
 
@@ -500,7 +499,7 @@ class ConsulClient:
         that only needs to see keys come and go should block on.
         """
         params, read_timeout = self._blocking_params(index, wait)
-        params["keys"] = ""
+        params.update(keys="", separator=separator)
         resp = self._call("GET", f"/v1/kv/{prefix}", params=params, read_timeout=read_timeout,
                           deadline=deadline, ok_404=True)
         return QueryResult(self._index(resp), [] if resp.status_code == 404 else resp.json())

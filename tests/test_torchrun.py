@@ -221,17 +221,24 @@ def time_to_exit(job: TorchrunJob, timeout: float) -> tuple[int | None, float]:
     return code, exited - started[0]
 
 
+def fails_fast_with_connection_error(job: TorchrunJob) -> tuple[int | None, float, str, str]:
+    """Start the job's one agent; it must exit non-zero within FAIL_FAST of its rendezvous
+    start with a RendezvousConnectionError. Its exit code, seconds, log and the job report."""
+    node = job.start("node-0")
+    code, took = time_to_exit(job, JOB_TIMEOUT)
+    report = job.report()
+    assert code not in (0, None), report
+    assert took < FAIL_FAST, f"torchrun took {took:.1f}s\n{report}"
+    assert "RendezvousConnectionError" in node.log(), report
+    return code, took, node.log(), report
+
+
 @pytest.mark.timeout(240)
 def test_wrong_endpoint_fails_fast(prefix, run_id, tmp_path):
     with TorchrunJob(tmp_path, "127.0.0.1:9", run_id, nnodes="1",
                      rdzv_conf=default_conf(prefix)) as job:
-        node = job.start("node-0")
-        code, took = time_to_exit(job, JOB_TIMEOUT)
-        report = job.report()
-        assert code not in (0, None), report
-        assert took < FAIL_FAST, f"torchrun took {took:.1f}s against a dead endpoint\n{report}"
-        assert "RendezvousConnectionError" in node.log(), report
-        assert "http://127.0.0.1:9 is unreachable" in node.log(), report
+        code, took, log, report = fails_fast_with_connection_error(job)
+        assert "http://127.0.0.1:9 is unreachable" in log, report
         print(f"torchrun against 127.0.0.1:9 exited {code} {took:.1f}s after it began the "
               "rendezvous")
 
@@ -261,11 +268,6 @@ def test_consul_agent_stopped_under_waiting_nodes_fails_fast(fresh_agent, prefix
 def test_missing_acl_permission_fails_fast_naming_it(acl_agent, prefix, run_id, tmp_path):
     with TorchrunJob(tmp_path, acl_agent.address, run_id, nnodes="1",
                      rdzv_conf=default_conf(prefix)) as job:
-        node = job.start("node-0")
-        code, took = time_to_exit(job, JOB_TIMEOUT)
-        report = job.report()
-        assert code not in (0, None), report
-        assert took < FAIL_FAST, f"torchrun took {took:.1f}s\n{report}"
-        assert "RendezvousConnectionError" in node.log(), report
-        assert "lacks permission 'service:write'" in node.log(), report
-        assert f'service_prefix "torchelastic-{run_id}"' in node.log(), report
+        _code, _took, log, report = fails_fast_with_connection_error(job)
+        assert "lacks permission 'service:write'" in log, report
+        assert f'service_prefix "torchelastic-{run_id}"' in log, report
