@@ -1,5 +1,5 @@
-"""Fixtures: real Consul agents (dev, ACL, TLS, mTLS), a unique KV prefix per test, and the
-agent's log attached to the report of a failing test."""
+"""Fixtures: real Consul agents (dev, ACL, TLS, mTLS), a real multi-member Consul cluster, a
+unique KV prefix per test, and the agents' logs attached to the report of a failing test."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from consul_rdzv.testing import ConsulAgent
+from consul_rdzv.testing import ConsulAgent, ConsulCluster
 
 #: Where CONSUL_HTTP_ADDR points when a test asked for no agent: a port nothing listens on, so
 #: that no test can reach a stray agent on 127.0.0.1:8500 by accident.
@@ -64,6 +64,24 @@ def fresh_agent(request, monkeypatch):
     return a
 
 
+@pytest.fixture(scope="session")
+def consul_cluster(request):
+    """A real cluster shared by the session: 3 servers and 2 client agents, each on its own
+    127.X.Y.Z (see :class:`ConsulCluster`). Tests that inject failures use ``cluster``."""
+    c = ConsulCluster(servers=3, clients=2).start()
+    request.addfinalizer(c.close)
+    return c
+
+
+@pytest.fixture
+def cluster(consul_cluster):
+    """The shared cluster, healthy at the start of the test and restored after it (partitions
+    healed, members thawed and started again, a leader and every member alive)."""
+    consul_cluster.restore()
+    yield consul_cluster
+    consul_cluster.restore()
+
+
 @pytest.fixture
 def consul(agent):
     client = agent.client()
@@ -90,3 +108,8 @@ def pytest_runtest_makereport(item, call):
             if isinstance(candidate, ConsulAgent) and id(candidate) not in seen:
                 seen.add(id(candidate))
                 report.sections.append((f"consul agent log ({name})", candidate.log_text(8000)))
+        if isinstance(value, ConsulCluster) and id(value) not in seen:
+            seen.add(id(value))
+            for member in value.members:
+                report.sections.append((f"consul agent log ({name}: {member.name})",
+                                        member.log_text(4000)))
