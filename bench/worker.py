@@ -255,11 +255,7 @@ class Node:
         """Thread-mode death: stop this node's heartbeat/keep-alive, no cleanup at all."""
         self.killed = True
         if self.backend == "consul":
-            rdzv = self.handler.rendezvous
-            if rdzv._heartbeat is not None:
-                rdzv._heartbeat.stop()
-            with rdzv._lock:
-                rdzv._generation += 1  # the training watch ends after its current query
+            self.handler.rendezvous.halt()
         else:
             self.handler._stop_heartbeats()
 

@@ -140,18 +140,44 @@ class Response:
     status_code: int
     headers: Any  # urllib3's case-insensitive HTTPHeaderDict
     content: bytes
+    url: str = ""  # the Consul base URL, for error messages
+    what: str = ""  # "METHOD /path"
 
     @property
     def text(self) -> str:
         return self.content.decode("utf-8", "replace")
 
+    @property
+    def from_consul(self) -> bool:
+        """Consul sets ``X-Consul-*`` headers on every answer of the API endpoints we call."""
+        return any(name.lower().startswith("x-consul-") for name in self.headers)
+
     def json(self) -> Any:
-        return json.loads(self.content) if self.content else None
+        try:
+            return json.loads(self.content) if self.content else None
+        except ValueError:
+            raise _not_consul(self.url, self.what, self, "the body is not JSON") from None
 
 
 def _body_text(resp: Response) -> str:
     text = (resp.text or "").strip()
     return text[:500]
+
+
+#: Answers a gateway in front of Consul gives while Consul itself is away: transient, retried.
+_GATEWAY_STATUSES = (502, 503, 504)
+
+
+def _not_consul(url: str, what: str, resp: Response, detail: str) -> ConsulConfigError:
+    kind = resp.headers.get("Content-Type", "no content type").split(";")[0]
+    snippet = " ".join(_body_text(resp).split())[:80]
+    return ConsulConfigError(
+        f"The server at {url} does not answer like a Consul agent ({what} got HTTP "
+        f"{resp.status_code}, {kind}{': ' + repr(snippet) if snippet else ''}; {detail}). Point "
+        "--rdzv-endpoint / CONSUL_HTTP_ADDR at the HTTP API of a Consul agent (port 8500 by "
+        "default, 8501 for HTTPS).",
+        status=resp.status_code,
+    )
 
 
 #: Validation errors that Consul's RPC layer answers with a 500: permanent, not an outage, so
@@ -292,6 +318,8 @@ class ConsulClient:
     def _request(self, method: str, path: str, *, params: dict | None = None,
                  body: Any = None, raw: bytes | None = None,
                  read_timeout: float | None = None, ok_404: bool = False) -> Response:
+        """One HTTP request. ``read_timeout`` defaults to ``timeout``; the connect timeout is at
+        most 5 s and never longer than the read timeout."""
         params = {k: v for k, v in (params or {}).items() if v is not None}
         if self.config.datacenter and "dc" not in params and not path.startswith("/v1/agent/"):
             params["dc"] = self.config.datacenter
@@ -304,12 +332,13 @@ class ConsulClient:
             url += "?" + urllib.parse.urlencode(params)
         if raw is None and body is not None:
             raw = json.dumps(body).encode()
-        timeout = urllib3.Timeout(connect=min(self.timeout, 5.0), read=read_timeout or self.timeout)
+        read = read_timeout or self.timeout
+        timeout = urllib3.Timeout(connect=min(self.timeout, 5.0, read), read=read)
         try:
             answer = self._pool.urlopen(method, url, body=raw, headers=self._headers,
                                         timeout=timeout, retries=False, redirect=False,
                                         assert_same_host=False)
-            resp = Response(answer.status, answer.headers, answer.data)
+            resp = Response(answer.status, answer.headers, answer.data, self.config.url, what)
         except SSLError as exc:
             raise ConsulConfigError(
                 f"TLS handshake with Consul at {self.config.url} failed for {what}: "
@@ -328,6 +357,12 @@ class ConsulClient:
                 f"Consul at {self.config.url} speaks HTTPS: use an https:// address or set "
                 "CONSUL_HTTP_SSL=true."
             )
+        if (resp.status_code >= 400 and resp.status_code not in _GATEWAY_STATUSES
+                and not resp.from_consul):
+            # Consul marks its answers with X-Consul-* headers; an error from a web server that
+            # is not Consul (an HTML 404 or 501) must fail at once, not be retried for
+            # consul_timeout. (A 200 that is not JSON is caught by Response.json.)
+            raise _not_consul(self.config.url, what, resp, "no X-Consul-* header")
         if not (ok_404 and resp.status_code == 404):
             _raise_for(resp, what)
         return resp
@@ -406,10 +441,18 @@ class ConsulClient:
     # ------------------------------------------------------------------ agent
 
     def agent_service_register(self, definition: dict, *, replace_existing_checks: bool = True,
-                               deadline: float | None = None) -> None:
+                               deadline: float | None = None,
+                               timeout: float | None = None) -> None:
         params = {"replace-existing-checks": "true"} if replace_existing_checks else None
         self._call("PUT", "/v1/agent/service/register", params=params, body=definition,
-                   deadline=deadline)
+                   deadline=deadline, read_timeout=timeout)
+
+    def agent_service(self, service_id: str, *, deadline: float | None = None,
+                      timeout: float | None = None) -> dict | None:
+        """This agent's registration of one service instance, or None if it has none."""
+        resp = self._call("GET", f"/v1/agent/service/{service_id}", deadline=deadline,
+                          read_timeout=timeout, ok_404=True)
+        return None if resp.status_code == 404 else resp.json()
 
     def agent_service_deregister(self, service_id: str, *, deadline: float | None = None) -> None:
         self._call("PUT", f"/v1/agent/service/deregister/{service_id}", deadline=deadline)
@@ -421,12 +464,13 @@ class ConsulClient:
         return self._call("GET", "/v1/agent/checks", deadline=deadline).json()
 
     def agent_check_update(self, check_id: str, status: str = "pass", note: str = "", *,
-                           deadline: float | None = None) -> None:
-        """``status`` is one of pass, warn, fail (TTL checks)."""
+                           deadline: float | None = None, timeout: float | None = None) -> None:
+        """``status`` is one of pass, warn, fail (TTL checks). ``timeout`` bounds each attempt
+        (a heartbeat must never wait longer than its interval for one answer)."""
         if status not in ("pass", "warn", "fail"):
             raise ValueError(f"check status must be pass, warn or fail, not {status!r}")
         self._call("PUT", f"/v1/agent/check/{status}/{check_id}",
-                   params={"note": note or None}, deadline=deadline)
+                   params={"note": note or None}, deadline=deadline, read_timeout=timeout)
 
     # ------------------------------------------------------------------ sessions
 
@@ -445,8 +489,10 @@ class ConsulClient:
             body["TTL"] = ttl
         return self._call("PUT", "/v1/session/create", body=body, deadline=deadline).json()["ID"]
 
-    def session_renew(self, session_id: str, *, deadline: float | None = None) -> dict:
-        resp = self._call("PUT", f"/v1/session/renew/{session_id}", deadline=deadline)
+    def session_renew(self, session_id: str, *, deadline: float | None = None,
+                      timeout: float | None = None) -> dict:
+        resp = self._call("PUT", f"/v1/session/renew/{session_id}", deadline=deadline,
+                          read_timeout=timeout)
         data = resp.json() or []
         if not data:
             raise ConsulSessionInvalid(f"session {session_id} does not exist")

@@ -76,6 +76,8 @@ class Member:
     endpoint: dict | None = None  # where this node would host the trainer store as rank 0
     meta: dict = field(default_factory=dict)
     nonce: str = ""
+    incarnation: str = ""  # unique per process (per ConsulRendezvous), see Incarnation
+    started: float = 0.0  # wall-clock start of that incarnation: the newest one wins a node id
     # filled from the KV entry, not stored
     create_index: int = field(default=0, compare=False)
     modify_index: int = field(default=0, compare=False)
@@ -93,7 +95,8 @@ class Member:
                 want=int(data.get("want", 0)),
                 rank=None if data.get("rank") is None else int(data["rank"]),
                 endpoint=data.get("endpoint"), meta=dict(data.get("meta") or {}),
-                nonce=str(data.get("nonce", "")), create_index=entry.create_index,
+                nonce=str(data.get("nonce", "")), incarnation=str(data.get("incarnation", "")),
+                started=float(data.get("started", 0.0)), create_index=entry.create_index,
                 modify_index=entry.modify_index, session=entry.session,
             )
         except (KeyError, TypeError, ValueError) as exc:

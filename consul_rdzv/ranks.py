@@ -9,8 +9,8 @@ newcomers in join order (their member key's CreateIndex). Ranks, by policy:
 * ``natural``: natural sort of (host, node id): ``node9`` before ``node10``.
 * ``topology``: natural sort of the chosen member meta values (e.g. ``zone``, ``rack``), then host,
   then node id, so neighbours in the network get neighbouring ranks.
-* ``explicit``: every node asks for a rank; the round seals only when the ranks asked for are
-  exactly 0..W-1.
+* ``explicit``: every node asks for a rank; a round takes the nodes whose ranks form 0..W-1 with
+  no gap (rank 3 waits, and does not disturb a running round, until someone asks for rank 2).
 """
 
 from __future__ import annotations
@@ -41,15 +41,28 @@ def natural_key(text: str) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts if p != "")
 
 
+def explicit_prefix(ranks: Sequence[int]) -> list[int]:
+    """The ranks 0..k-1 present in ``ranks`` (sorted or not) before the first gap."""
+    present = set(ranks)
+    prefix: list[int] = []
+    while len(prefix) in present:
+        prefix.append(len(prefix))
+    return prefix
+
+
 def select(candidates: Sequence[Candidate], previous: Mapping[str, int], max_nodes: int,
            policy: str = "stable") -> list[Candidate]:
-    """Pick at most ``max_nodes`` candidates: survivors first, then join order."""
+    """Pick at most ``max_nodes`` candidates: survivors first, then join order.
+
+    ``explicit``: the first node (join order) asking for each rank, for the ranks 0..k-1 before
+    the first rank nobody asked for; nodes beyond a gap are not selected.
+    """
     if policy == "explicit":
         by_rank: dict[int, Candidate] = {}
         for c in sorted(candidates, key=lambda c: c.join_order):
             if c.rank is not None and 0 <= c.rank < max_nodes and c.rank not in by_rank:
                 by_rank[c.rank] = c
-        return [by_rank[r] for r in sorted(by_rank)]
+        return [by_rank[r] for r in explicit_prefix(list(by_rank))]
     ordered = sorted(
         candidates,
         key=lambda c: (0, previous[c.node], 0) if c.node in previous else (1, 0, c.join_order),

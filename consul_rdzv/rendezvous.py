@@ -4,22 +4,29 @@ One :class:`ConsulRendezvous` per node. ``next_round()`` blocks until a sealed r
 node and returns its rank, the world size and rank 0's trainer-store endpoint;
 ``num_nodes_waiting()`` answers from a background watch with no Consul request; ``close()`` ends
 the run for everyone; ``leave()`` takes this node out cleanly. The protocol is written down in
-docs/protocol.md; the KV layout in :mod:`consul_rdzv.layout`.
+docs/protocol.md; the KV layout in :mod:`consul_rdzv.layout`, the coordinator's decisions in
+:mod:`consul_rdzv.planning`, the node's service, check, session and heartbeat in
+:mod:`consul_rdzv.registration`.
 
 How it fails, and what the caller must watch for:
 
 * A node that stops passing its TTL check for ``heartbeat_timeout`` is dead to Consul: its session
-  is invalidated and its member key deleted. Survivors see that through ``num_nodes_waiting()``.
+  is invalidated and its member key deleted. Survivors see that through ``num_nodes_waiting()``
+  and :meth:`ConsulRendezvous.wait_round_broken`; the node itself sees it too (its
+  ``num_nodes_waiting()`` turns positive), even when it cannot reach Consul at all.
 * If this node's own session is invalidated (agent restart, operator), ``num_nodes_waiting()``
   reports at least 1 and the next ``next_round()`` registers again: it never acts on a dead session.
 * Consul outages are ridden out with backoff for ``consul_timeout`` per call, and never past the
   join deadline; then :class:`RendezvousConnectionError`.
+* A closed run stays closed while any node of the job that closed it is alive; once none is
+  left, the next joiner opens it again for a new job (a re-run under the same run id).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import os
 import random
@@ -28,14 +35,13 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .client import BlockingIndex, ConsulClient, QueryResult, txn_kv
 from .errors import (
     ConsulBadRequest,
     ConsulError,
-    ConsulNotFound,
     ConsulPermissionDenied,
     ConsulSessionInvalid,
     ConsulTxnConflict,
@@ -46,7 +52,20 @@ from .errors import (
     RendezvousTimeoutError,
 )
 from .layout import Keys, Leader, Member, Round, RunState
-from .ranks import Candidate, NotReady, assign, select
+from .planning import (
+    MAX_TXN_BYTES,
+    MemberView,
+    active_participants,
+    count_waiting,
+    explicit_gap,
+    json_len,
+    largest_world,
+    plan_round,
+    round_broken,
+    round_bytes,
+)
+from .ranks import Candidate
+from .registration import Incarnation, Registration
 from .settings import RendezvousSettings
 
 logger = logging.getLogger(__name__)
@@ -66,6 +85,8 @@ META_SPREAD = 0.02
 META_SPREAD_MAX = 30.0
 #: Longest blocking query of the training-time membership watch.
 WATCH_WAIT = 300.0
+#: A waiting node logs its progress (INFO) this often.
+PROGRESS_EVERY = 15.0
 
 
 def default_node_id() -> str:
@@ -91,79 +112,6 @@ class RoundResult:
     requests: int = 0
 
 
-@dataclass
-class Plan:
-    """The coordinator's decision for one view of the run."""
-
-    seal: list[str] | None = None  # node ids in rank order
-    wait_until: float | None = None
-    quorum_since: float | None = None
-    reason: str = ""
-
-
-def active_participants(state: RunState) -> list[str]:
-    """Participants of the current round still in it: alive and not asking for a new round.
-
-    A participant asks for a new round by rewriting its member key, which moves the key's
-    ModifyIndex past the member snapshot the round was sealed from.
-    """
-    current = state.round
-    if current is None or not current.ranks:
-        return []
-    return [n for n in current.ranks
-            if n in state.members and state.members[n].modify_index <= current.members_index]
-
-
-def plan_round(state: RunState, settings: RendezvousSettings, now: float,
-               quorum_since: float | None) -> Plan:
-    """Decide whether the coordinator seals now, waits for the last call, or waits for nodes."""
-    active = active_participants(state)
-    current = state.round if state.round and state.round.ranks else None
-    if active:
-        return Plan(reason=f"{len(active)} node(s) of round {current.round} have not come back "
-                           f"yet ({', '.join(sorted(active)[:8])})")
-    previous = {n: r for r, n in enumerate(current.ranks)} if current else {}
-    candidates = [Candidate(m.node, m.host, m.create_index, m.meta, m.rank)
-                  for m in state.members.values()]
-    selected = select(candidates, previous, settings.max_nodes, settings.rank_policy)
-    if len(selected) < settings.min_nodes:
-        return Plan(reason=f"{len(selected)} of min_nodes {settings.min_nodes} nodes present")
-    try:
-        order = assign(selected, previous, settings.rank_policy, settings.topology_keys)
-    except NotReady as exc:
-        return Plan(reason=str(exc))
-    full = len(selected) >= settings.max_nodes
-    nobody_new = current is not None and all(m.node in previous for m in state.members.values())
-    if full or nobody_new:
-        return Plan(seal=order, quorum_since=quorum_since or now)
-    since = now if quorum_since is None else quorum_since
-    if now >= since + settings.last_call_timeout:
-        return Plan(seal=order, quorum_since=since)
-    return Plan(wait_until=since + settings.last_call_timeout, quorum_since=since,
-                reason=f"last call: {len(selected)} nodes present, up to {settings.max_nodes}")
-
-
-def count_waiting(state: RunState, result: RoundResult, max_nodes: int) -> int:
-    """``num_nodes_waiting`` from one view of the members.
-
-    Participants of our round whose member key vanished always count (survivors must
-    re-rendezvous now rather than hang in a collective); waiting nodes count only while the round
-    has room for them, as in torch's c10d backend.
-    """
-    return _count_waiting({n: m.modify_index for n, m in state.members.items()}, result,
-                          max_nodes)
-
-
-def _count_waiting(members: Mapping[str, int], result: RoundResult, max_nodes: int) -> int:
-    """:func:`count_waiting` on ``{node id: ModifyIndex of its member key}``."""
-    gone = [n for n in result.participants if n not in members]
-    active = [n for n in result.participants
-              if n in members and members[n] <= result.members_index]
-    waiting = [n for n in members if n not in active]
-    room = len(active) < max_nodes
-    return len(gone) + (len(waiting) if room else 0)
-
-
 class _Rejoin(Exception):
     """Our session is gone: register again and restart the join (same deadline)."""
 
@@ -173,7 +121,12 @@ class _LostLeadership(Exception):
 
 
 class ConsulRendezvous:
-    """One node's handle on one run. Thread-safe for the calls torchrun makes."""
+    """One node's handle on one run. Thread-safe for the calls torchrun makes.
+
+    ``endpoint_provider`` is called before each announcement; it returns the trainer-store
+    endpoint (``{"host", "port"}``) this node would host if it became rank 0 (the torch adapter
+    reserves a socket), or None.
+    """
 
     def __init__(self, settings: RendezvousSettings, client: ConsulClient | None = None, *,
                  node_id: str | None = None, host: str | None = None,
@@ -188,22 +141,21 @@ class ConsulRendezvous:
                 "'_', '.' or '-' (not '.' or '..')."
             )
         self.host = host or socket.gethostname()
-        self.service_id = f"{settings.run_id}-{self.node_id}"
-        self.check_id = f"{self.service_id}:ttl"
+        _check_round_fits(settings, self.node_id, self.host)
+        self.incarnation = Incarnation.new()
+        self.registration = Registration(self.client, settings, node_id=self.node_id,
+                                         host=self.host, incarnation=self.incarnation,
+                                         on_lost=self._on_lost)
         self._endpoint_provider = endpoint_provider
-        self._session: str | None = None
-        self._lost = threading.Event()
         self._lock = threading.Lock()
         self._generation = 0
         self._round: RoundResult | None = None
         self._last_round_no = 0
         self._waiting = 0
-        self._heartbeat: _Heartbeat | None = None
-        self._watch: threading.Thread | None = None
-        self._watch_generation = -1
+        self._broken = threading.Event()
+        self._broken_reason = ""
+        self._closed_alive: list[str] = []  # nodes of the job that closed the run, still alive
         self._left = False
-        self._meta: dict[str, str] = {"state": "joining"}
-        self._meta_changed = 0.0
 
     def __repr__(self) -> str:
         return f"ConsulRendezvous(run={self.settings.run_id!r}, node={self.node_id!r})"
@@ -216,11 +168,23 @@ class ConsulRendezvous:
 
     @property
     def session_id(self) -> str | None:
-        return self._session
+        return self.registration.session
+
+    @property
+    def service_id(self) -> str:
+        return self.registration.service_id
+
+    @property
+    def check_id(self) -> str:
+        return self.registration.check_id
 
     @property
     def current_round(self) -> RoundResult | None:
         return self._round
+
+    @property
+    def left(self) -> bool:
+        return self._left
 
     def next_round(self) -> RoundResult:
         """Join the next round and block until it is sealed with this node in it."""
@@ -228,27 +192,27 @@ class ConsulRendezvous:
             raise RendezvousStateError(f"Node {self.node_id} has left run {self.run_id}; "
                                        "create a new ConsulRendezvous to join again.")
         with self._lock:
-            self._generation += 1  # pauses the training watch
+            self._generation += 1  # ends the training watch of the previous round
             self._waiting = 0
+            self._broken.clear()
+        self.registration.probe_session = True
         started = time.time()
         requests_before = self.client.requests_sent
         deadline = time.monotonic() + self.settings.join_timeout
         try:
             while True:
                 try:
-                    self._ensure_registered(deadline)
-                    result = self._join(deadline, started)
+                    self.registration.ensure(self._op_deadline(deadline))
+                    result = self._join(deadline)
                     break
                 except _Rejoin as exc:
-                    logger.warning("Node %s of run %s lost its Consul session (%s); registering "
-                                   "again.", self.node_id, self.run_id, exc)
-                    self._lost.set()  # _ensure_registered destroys and replaces the session
+                    self.registration.mark_lost(f"lost its Consul session ({exc})")
                     if time.monotonic() >= deadline:
                         raise RendezvousTimeoutError(
                             f"Node {self.node_id} of run {self.run_id} kept losing its Consul "
                             f"session until join_timeout ({self.settings.join_timeout:g}s)."
                         ) from exc
-        except RendezvousTimeoutError:
+        except (RendezvousTimeoutError, RendezvousStateError):
             # We stop waiting: no coordinator may count us in, and a coordinator role we hold
             # would leave the others without one while our session lives on.
             self._drop_member(leader=True)
@@ -264,6 +228,10 @@ class ConsulRendezvous:
                 f"run {self.run_id} (gave up after {self.settings.consul_timeout:g}s of retries): "
                 f"{exc}. Check --rdzv-endpoint / CONSUL_HTTP_ADDR and that the agent is running."
             ) from exc
+        except ConsulBadRequest as exc:
+            raise RendezvousStateError(
+                f"Consul refused a request of node {self.node_id} of run {self.run_id}: {exc}"
+            ) from exc
         except ConsulError as exc:
             raise RendezvousConnectionError(
                 f"Consul call failed for node {self.node_id} of run {self.run_id}: {exc}"
@@ -272,12 +240,13 @@ class ConsulRendezvous:
         result.requests = self.client.requests_sent - requests_before
         self._round = result
         self._last_round_no = result.round
-        self._meta = {"state": "training", "round": str(result.round), "rank": str(result.rank)}
-        self._meta_changed = time.monotonic() + random.uniform(
-            0.0, min(META_SPREAD_MAX, result.world_size * META_SPREAD))
+        with self._lock:
+            self._broken.clear()  # a loss repaired during the join does not break the new round
+        spread = random.uniform(0.0, min(META_SPREAD_MAX, result.world_size * META_SPREAD))
+        self.registration.publish(
+            {"state": "training", "round": str(result.round), "rank": str(result.rank)},
+            delay=META_DELAY + spread)
         self._start_watch(result)
-        if self._heartbeat:
-            self._heartbeat.wake()  # it publishes the new meta META_DELAY (+ spread) from now
         logger.info("Node %s joined round %d of run %s as rank %d of %d (%.3fs, %d Consul "
                     "requests).", self.node_id, result.round, self.run_id, result.rank,
                     result.world_size, result.timings["released"] - started, result.requests)
@@ -287,20 +256,32 @@ class ConsulRendezvous:
         """Register this node's service, check and session now (``next_round()`` does it too).
 
         Lets a node show up in Consul as soon as it starts, and takes the two registration
-        requests off the path of its first round. ``timeout`` bounds the retries (default
+        requests off the path of its first round. A predecessor with the same node id on the
+        same agent loses its registration at once. ``timeout`` bounds the retries (default
         ``consul_timeout``).
         """
         deadline = time.monotonic() + (timeout or self.settings.consul_timeout)
         try:
-            self._ensure_registered(deadline)
+            self.registration.ensure(deadline)
         except ConsulError as exc:
             raise self._connection_error("register in Consul", exc) from exc
 
     def num_nodes_waiting(self) -> int:
         """See module docstring: a local read, no Consul request."""
-        if self._lost.is_set():
+        if self.registration.lost:
             return max(self._waiting, 1)
         return self._waiting
+
+    def wait_round_broken(self, timeout: float) -> str | None:
+        """Block up to ``timeout`` until the current round cannot run any more; why, or None.
+
+        A round breaks when a participant is gone (dead, left), asks for a new round, or when
+        this node's own registration is lost. Used by the torch adapter while the members of a
+        round meet at the trainer store.
+        """
+        if self._broken.wait(timeout):
+            return self._broken_reason
+        return None
 
     def is_closed(self) -> bool:
         try:
@@ -309,73 +290,88 @@ class ConsulRendezvous:
             raise self._connection_error("read the run state", exc) from exc
         return bool(res.data and Round.decode(res.data).closed)
 
-    def close(self, reason: str = "closed") -> None:
-        """Mark the run closed: every waiting and future joiner gets RendezvousClosedError."""
-        deadline = time.monotonic() + self.settings.close_timeout
+    def close(self, reason: str = "closed", *, timeout: float | None = None) -> None:
+        """Mark the run closed: every waiting and future joiner gets RendezvousClosedError,
+        until every node of this job is gone (then the run id can be used again)."""
+        self._close(reason, None, timeout)
+
+    def close_if_current(self, result: RoundResult, reason: str, *,
+                         timeout: float | None = None) -> bool:
+        """Close the run only if ``result`` is still its current round (this node's job has
+        not moved on without it). True if the run is closed now."""
+        return self._close(reason, result.seal_id, timeout)
+
+    def _close(self, reason: str, seal_id: str | None, timeout: float | None) -> bool:
+        budget = timeout or self.settings.close_timeout
+        deadline = time.monotonic() + budget
         try:
             while True:
                 res = self.client.kv_get(self.keys.round, consistent=True, deadline=deadline)
                 current = Round.decode(res.data) if res.data else Round()
                 if current.closed:
-                    return
+                    return True
+                if seal_id is not None and current.seal_id != seal_id:
+                    logger.info("Node %s does not close run %s: its round is no longer the "
+                                "current one (round %d is).", self.node_id, self.run_id,
+                                current.round)
+                    return False
                 current.closed = {"reason": reason, "at": time.time(), "by": self.node_id}
                 cas = res.data.modify_index if res.data else 0
                 if self.client.kv_put(self.keys.round, current.encode(), cas=cas,
                                       deadline=deadline):
                     logger.info("Node %s closed run %s (%s).", self.node_id, self.run_id, reason)
-                    return
+                    return True
                 if time.monotonic() > deadline:
                     raise RendezvousConnectionError(
-                        f"Could not close run {self.run_id} within close_timeout "
-                        f"({self.settings.close_timeout:g}s): the round key kept changing."
+                        f"Could not close run {self.run_id} within {budget:g}s: the round key "
+                        "kept changing."
                     )
         except ConsulError as exc:
             raise self._connection_error("close the run", exc) from exc
 
-    def leave(self) -> bool:
+    def leave(self, *, timeout: float | None = None) -> bool:
         """Leave cleanly: release keys, deregister the service, destroy the session.
 
-        Never closes the run. Returns False if some step failed (logged); idempotent.
+        Never closes the run. If the run is closed and this node was its last member, the closed
+        marker goes too (closed runs do not pile up). Returns False if some step failed
+        (logged); idempotent. ``timeout`` bounds it (default ``close_timeout``).
         """
         with self._lock:
-            self._left = True
+            already, self._left = self._left, True
             self._generation += 1
-        if self._heartbeat:
-            self._heartbeat.stop()
-            self._heartbeat = None
-        session, self._session = self._session, None
-        if session is None:
+        if already:
             return True
-        deadline = time.monotonic() + self.settings.close_timeout
+        deadline = time.monotonic() + (timeout or self.settings.close_timeout)
+        session = self.registration.session
         ok = True
-        for key in (self.keys.member(self.node_id), self.keys.leader):
-            try:
-                self.client.txn([txn_kv("check-session", key, session=session),
-                                 txn_kv("delete", key)], deadline=deadline)
-            except ConsulTxnConflict:
-                pass  # not ours (or gone already)
-            except ConsulError as exc:
-                ok = False
-                logger.warning("Node %s could not release %s while leaving run %s: %s",
-                               self.node_id, key, self.run_id, exc)
-        for step, call in (
-            ("deregister its service", lambda: self.client.agent_service_deregister(
-                self.service_id, deadline=deadline)),
-            ("destroy its session", lambda: self.client.session_destroy(session,
-                                                                        deadline=deadline)),
-        ):
-            try:
-                call()
-            except ConsulNotFound:
-                pass
-            except ConsulError as exc:
-                ok = False
-                logger.warning("Node %s could not %s while leaving run %s: %s", self.node_id,
-                               step, self.run_id, exc)
+        if session is not None:
+            for key in (self.keys.member(self.node_id), self.keys.leader):
+                try:
+                    self.client.txn([txn_kv("check-session", key, session=session),
+                                     txn_kv("delete", key)], deadline=deadline)
+                except ConsulTxnConflict:
+                    pass  # not ours (or gone already)
+                except ConsulError as exc:
+                    ok = False
+                    logger.warning("Node %s could not release %s while leaving run %s: %s",
+                                   self.node_id, key, self.run_id, exc)
+            if ok:
+                with contextlib.suppress(ConsulError, RendezvousStateError):
+                    self._forget_closed_run(deadline)
+        ok = self.registration.close(deadline) and ok
         logger.info("Node %s left run %s.", self.node_id, self.run_id)
         return ok
 
-    # ------------------------------------------------------------------ registration
+    def halt(self) -> None:
+        """Stop this node's threads and leave everything in Consul as it is, as a killed process
+        does: its check lapses after heartbeat_timeout (tests and benchmarks simulate a death
+        with this). The node cannot be used afterwards."""
+        with self._lock:
+            self._left = True
+            self._generation += 1  # the training watch ends after its current query
+        self.registration.halt()
+
+    # ------------------------------------------------------------------ helpers
 
     def _op_deadline(self, deadline: float | None = None) -> float:
         """The hard deadline of one Consul call: the caller's (the join deadline), or
@@ -398,8 +394,9 @@ class ConsulRendezvous:
             return self.client.kv_list(prefix, index=index.param, wait=wait,
                                        deadline=time.monotonic())  # one attempt, no retries
         res = self.client.kv_list(prefix, deadline=self._op_deadline(deadline))
-        if self._session and self.client.session_info(
-                self._session, deadline=self._op_deadline(deadline)) is None:
+        session = self.registration.session
+        if session and self.client.session_info(
+                session, deadline=self._op_deadline(deadline)) is None:
             raise _Rejoin("the session did not survive a Consul outage")
         return res
 
@@ -409,96 +406,13 @@ class ConsulRendezvous:
             f"{self.client.config.url}: {exc}"
         )
 
-    def _service_definition(self) -> dict:
-        meta = {"run_id": self.run_id, "node_id": self.node_id[:512], "host": self.host[:512],
-                "pid": str(os.getpid()), **self._meta}
-        meta.update({k: str(v) for k, v in self.settings.node_meta.items()})
-        return {
-            "ID": self.service_id,
-            "Name": self.settings.service,
-            "Address": self.host,
-            "Tags": ["consul-rdzv", f"run-{self.run_id}"],
-            "Meta": meta,
-            "Check": {
-                "CheckID": self.check_id,
-                "Name": f"consul-rdzv heartbeat of {self.node_id}",
-                "TTL": f"{self.settings.heartbeat_timeout:g}s",
-                "Status": "passing",
-                "DeregisterCriticalServiceAfter": "1m",
-            },
-        }
+    def _on_lost(self, reason: str) -> None:
+        self._set_broken(f"this node is out of its round: {reason}")
 
-    def _register_service(self, deadline: float) -> None:
-        self.client.agent_service_register(self._service_definition(), deadline=deadline)
-
-    def _ensure_registered(self, deadline: float) -> None:
-        if self._session is not None and not self._lost.is_set():
-            return
-        op = self._op_deadline(deadline)
-        old = self._session
-        self._meta = {"state": "joining"}
-        if not self._service_still_registered(old, op):
-            self._register_service(op)
-        session = self._create_session(op)
-        # Switch sessions before clearing _lost: the heartbeat must never judge the new
-        # registration by the old session (a failed renew of the old one would mark us lost).
-        self._session = session
-        self._lost.clear()
-        if old is not None:
-            # If the old session is in fact alive (our key was deleted by hand, a spurious
-            # loss), it would keep holding the leader key or our member key: end it.
-            with contextlib.suppress(ConsulError):
-                self.client.session_destroy(old, deadline=op)
-        logger.debug("Node %s of run %s registered service %s with session %s.", self.node_id,
-                     self.run_id, self.service_id, self._session)
-        if self._heartbeat is None:
-            self._heartbeat = _Heartbeat(self)
-            self._heartbeat.start()
-
-    def _service_still_registered(self, old_session: str | None, deadline: float) -> bool:
-        """After a lost session, is our service (and its check) still on the agent?
-
-        A session usually dies because its check went critical (heartbeats late on an
-        overloaded agent) while the service stays registered. Then passing the check is all a
-        new session needs, and it spares the agent a service registration, which it serialises
-        at O(services) each: a thousand nodes re-registering at once is how an overloaded agent
-        stays overloaded. A 404 means the agent forgot us (restart): register again.
-        """
-        if old_session is None:
-            return False
-        try:
-            self.client.agent_check_update(self.check_id, "pass", deadline=deadline)
-        except ConsulNotFound:
-            return False
-        return True
-
-    def _create_session(self, deadline: float) -> str:
-        """Create our session bound to the TTL check.
-
-        Consul refuses to bind a session to a critical check. The check was registered passing,
-        but on a slow agent its TTL can run out before the session request is served (the
-        heartbeat only beats once there is a session), so pass it and ask again.
-        """
-        for attempt in range(3):
-            try:
-                return self.client.session_create(
-                    name=f"consul-rdzv {self.run_id} {self.node_id}"[:128],
-                    service_checks=[self.check_id], node_checks=["serfHealth"],
-                    behavior="delete", lock_delay="0s", deadline=deadline,
-                )
-            except ConsulBadRequest as exc:
-                if "critical state" not in str(exc) or attempt == 2:
-                    raise
-                logger.warning("Node %s: its check went critical before its session was "
-                               "created; passing it and trying again.", self.node_id)
-                self.client.agent_check_update(self.check_id, "pass", deadline=deadline)
-        raise AssertionError("unreachable")
-
-    def _mark_lost(self, reason: str) -> None:
-        if not self._lost.is_set() and not self._left:
-            logger.warning("Node %s of run %s: %s; it will register again at its next round.",
-                           self.node_id, self.run_id, reason)
-            self._lost.set()
+    def _set_broken(self, reason: str) -> None:
+        if not self._broken.is_set():
+            self._broken_reason = reason
+            self._broken.set()
 
     # ------------------------------------------------------------------ joining
 
@@ -507,65 +421,97 @@ class ConsulRendezvous:
         return Member(node=self.node_id, host=self.host, pid=os.getpid(),
                       want=self._last_round_no + 1 if self._last_round_no else 0,
                       rank=self.settings.node_rank, endpoint=endpoint,
-                      meta=dict(self.settings.node_meta), nonce=uuid.uuid4().hex)
+                      meta=dict(self.settings.node_meta), nonce=uuid.uuid4().hex,
+                      incarnation=self.incarnation.id, started=self.incarnation.started)
 
     def _write_member(self, deadline: float) -> tuple[int, RunState]:
-        """Write our member key (locked by our session) and read the round state, in one txn."""
-        session = self._session
-        key = self.keys.member(self.node_id)
-        ops = [txn_kv("lock", key, value=self._member().encode(), session=session),
-               txn_kv("get-tree", self.keys.round_dir)]
-        try:
-            res = self.client.txn(ops, deadline=self._op_deadline(deadline))
-        except ConsulTxnConflict as exc:
-            holder = self.client.kv_get(key, deadline=self._op_deadline(deadline)).data
-            if holder is not None and holder.session and holder.session != session:
-                raise RendezvousStateError(
-                    f"Node id {self.node_id!r} is already used by another live node in run "
-                    f"{self.run_id} (session {holder.session}). Give every node a unique node id."
-                ) from exc
-            raise _Rejoin(f"could not lock {key}: {exc}") from exc
-        except ConsulSessionInvalid as exc:
-            raise _Rejoin(str(exc)) from exc
-        entries = [e for e in res.data[1:] if e is not None]
-        my_index = res.data[0].modify_index
-        return my_index, RunState.parse(self.keys, entries)
+        """Write our member key (locked by our session) and read the round state, in one txn.
 
-    def _join(self, deadline: float, started: float) -> RoundResult:
-        my_index, state = self._write_member(deadline)
-        if state.round and state.round.closed:
-            self._drop_member()
-            raise self._closed_error(state.round)
+        A key held by an earlier process of ours (same node id and host: a restart) is taken
+        over; a key held by a newer one means we were replaced; by a node on another host, that
+        the node id is used twice.
+        """
+        session = self.registration.session
+        key = self.keys.member(self.node_id)
+        for _ in range(3):
+            ops = [txn_kv("lock", key, value=self._member().encode(), session=session),
+                   txn_kv("get-tree", self.keys.round_dir)]
+            try:
+                res = self.client.txn(ops, deadline=self._op_deadline(deadline))
+            except ConsulTxnConflict as exc:
+                holder = self.client.kv_get(key, deadline=self._op_deadline(deadline)).data
+                if holder is None or not holder.session or holder.session == session:
+                    raise _Rejoin(f"could not lock {key}: {exc}") from exc
+                self._take_over(Member.decode(holder), holder.session, deadline)
+                continue
+            except ConsulSessionInvalid as exc:
+                raise _Rejoin(str(exc)) from exc
+            entries = [e for e in res.data[1:] if e is not None]
+            return res.data[0].modify_index, RunState.parse(self.keys, entries)
+        raise _Rejoin(f"could not lock {key} after taking it over")
+
+    def _take_over(self, holder: Member, holder_session: str, deadline: float) -> None:
+        """Our member key is held by another live session: take it over, or refuse."""
+        theirs = Incarnation(holder.started, holder.incarnation)
+        if holder.host != self.host:
+            raise RendezvousStateError(
+                f"Node id {self.node_id!r} is already used by another live node in run "
+                f"{self.run_id} (pid {holder.pid} on host {holder.host}, session "
+                f"{holder_session}). Give every node a unique node id."
+            )
+        if theirs > self.incarnation:
+            raise RendezvousStateError(
+                f"Node {self.node_id} of run {self.run_id} was replaced by a newer process with "
+                f"the same node id (pid {holder.pid} on host {holder.host}); this process stops."
+            )
+        logger.warning("Node %s of run %s takes over its node id from an earlier process (pid %d "
+                       "on %s) whose session %s still held it.", self.node_id, self.run_id,
+                       holder.pid, holder.host, holder_session)
+        with contextlib.suppress(ConsulError):
+            self.client.session_destroy(holder_session, deadline=self._op_deadline(deadline))
+
+    def _join(self, deadline: float) -> RoundResult:
+        self._closed_alive = []
+        while True:
+            my_index, state = self._write_member(deadline)
+            current = state.round
+            if not (current and current.closed):
+                break
+            if not self._reopen(current, deadline):
+                self._drop_member()
+                raise self._closed_error(current)
         if self.settings.rank_policy == "explicit":
             self._check_explicit_rank(deadline)
         index = BlockingIndex(my_index)
+        progress = _Progress(self, deadline)
         while True:
+            session = self.registration.session
             if state.leader_session is None:
-                leader = Leader(node=self.node_id, session=self._session or "", since=time.time())
+                leader = Leader(node=self.node_id, session=session or "", since=time.time())
                 try:
                     acquired = self.client.kv_put(self.keys.leader, leader.encode(),
-                                                  acquire=self._session,
+                                                  acquire=session,
                                                   deadline=self._op_deadline(deadline))
                 except ConsulSessionInvalid as exc:
                     raise _Rejoin(str(exc)) from exc
                 if acquired:
                     logger.info("Node %s is the coordinator of run %s.", self.node_id,
                                 self.run_id)
-                    state.leader_session = self._session
-            if state.leader_session == self._session:
+                    state.leader_session = session
+            if state.leader_session == session:
                 try:
-                    return self._coordinate(deadline, my_index, started)
+                    return self._coordinate(deadline, my_index, progress)
                 except _LostLeadership as exc:
                     logger.warning("Node %s lost the coordinator role of run %s (%s).",
                                    self.node_id, self.run_id, exc)
                     index = BlockingIndex()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise self._timeout_error(deadline)
-            if self._lost.is_set():
-                raise _Rejoin("the heartbeat found the session or check gone")
-            res = self._blocking_list(self.keys.round_dir, index, min(remaining, ROUND_WAIT),
-                                      deadline)
+                raise self._timeout_error()
+            if self.registration.lost:
+                raise _Rejoin(self.registration.lost_reason)
+            res = self._blocking_list(self.keys.round_dir, index,
+                                      min(remaining, ROUND_WAIT, progress.wait()), deadline)
             index.update(res.index)
             state = RunState.parse(self.keys, res.data)
             current = state.round
@@ -574,6 +520,48 @@ class ConsulRendezvous:
                 raise self._closed_error(current)
             if current and self.node_id in current.ranks and current.members_index >= my_index:
                 return self._result(current)
+            progress.maybe_log(state)
+
+    def _reopen(self, closed: Round, deadline: float) -> bool:
+        """The run is closed: if no node of the job that closed it is left, open it again.
+
+        This node belongs to the closed job if it was ever in one of its rounds; the other
+        nodes of that job are the members whose keys were written before the close (ours and
+        other newcomers' were written after it). True if the run was (or is being) reopened,
+        so the caller announces itself again; False if the closed job still lives.
+        """
+        if self._round is not None:
+            return False  # we are a node of the job that ended
+        entries = self.client.kv_list(self.keys.members,
+                                      deadline=self._op_deadline(deadline)).data
+        old = sorted(e.key[len(self.keys.members):] for e in entries
+                     if e.modify_index < closed.modify_index)
+        if old:
+            self._closed_alive = old
+            return False
+        try:
+            self.client.txn([txn_kv("delete-cas", self.keys.round, index=closed.modify_index)],
+                            deadline=self._op_deadline(deadline))
+        except ConsulTxnConflict:
+            return True  # someone else reopened it (or closed it again): read it again
+        info = closed.closed or {}
+        logger.info("Run %s was closed by %s (%s) and no node of that job is left: node %s "
+                    "opens it again for a new job.", self.run_id, info.get("by", "?"),
+                    info.get("reason", ""), self.node_id)
+        return True
+
+    def _forget_closed_run(self, deadline: float) -> None:
+        """Leaving a closed run as its last member: remove the closed marker."""
+        res = self.client.kv_get(self.keys.round, deadline=deadline)
+        if res.data is None or not Round.decode(res.data).closed:
+            return
+        if self.client.kv_keys(self.keys.members, deadline=deadline):
+            return
+        with contextlib.suppress(ConsulTxnConflict):
+            self.client.txn([txn_kv("delete-cas", self.keys.round, index=res.data.modify_index)],
+                            deadline=deadline)
+            logger.debug("Node %s removed the closed marker of run %s as its last member.",
+                         self.node_id, self.run_id)
 
     def _check_explicit_rank(self, deadline: float) -> None:
         res = self.client.kv_list(self.keys.members, deadline=self._op_deadline(deadline))
@@ -586,19 +574,19 @@ class ConsulRendezvous:
                     f"{self.run_id} (rank_policy explicit): give every node a distinct node_rank."
                 )
 
-    def _coordinate(self, deadline: float, my_index: int, started: float) -> RoundResult:
+    def _coordinate(self, deadline: float, my_index: int, progress: _Progress) -> RoundResult:
         index = BlockingIndex()
         quorum_since: float | None = None
         first_seen = time.time()
         while True:
-            now = time.monotonic()
-            if now >= deadline:
-                raise self._timeout_error(deadline)
+            if time.monotonic() >= deadline:
+                raise self._timeout_error()
             res = self._blocking_list(self.keys.prefix + "/", index,
-                                      self._coordinator_wait(deadline, quorum_since), deadline)
+                                      self._coordinator_wait(deadline, quorum_since, progress),
+                                      deadline)
             index.update(res.index)
             state = RunState.parse(self.keys, res.data)
-            if state.leader_session != self._session:
+            if state.leader_session != self.registration.session:
                 raise _LostLeadership("the leader key is held by another session or none")
             me = state.members.get(self.node_id)
             if me is None or me.modify_index < my_index:
@@ -607,13 +595,14 @@ class ConsulRendezvous:
                 self._drop_member()
                 raise self._closed_error(state.round)
             plan = plan_round(state, self.settings, time.monotonic(), quorum_since)
-            if quorum_since is None and plan.quorum_since is not None:
+            if quorum_since is None and plan.quorum_since is not None and plan.seal is None:
                 logger.info("Run %s has a quorum; last call for %gs.", self.run_id,
                             self.settings.last_call_timeout)
             quorum_since = plan.quorum_since
             if plan.seal is None:
                 logger.debug("Coordinator %s of run %s waits: %s.", self.node_id, self.run_id,
                              plan.reason)
+                progress.maybe_log(state, plan.reason)
                 continue
             quorum_at = time.time() - (time.monotonic() - (quorum_since or time.monotonic()))
             sealed = self._seal(state, plan.seal, res.index, first_seen, quorum_at, deadline)
@@ -623,8 +612,9 @@ class ConsulRendezvous:
                 # Not selected (explicit ranks, or more nodes than max_nodes): stay waiting.
                 raise _LostLeadership("sealed a round without this node")
 
-    def _coordinator_wait(self, deadline: float, quorum_since: float | None) -> float:
-        wait = min(deadline - time.monotonic(), ROUND_WAIT)
+    def _coordinator_wait(self, deadline: float, quorum_since: float | None,
+                          progress: _Progress) -> float:
+        wait = min(deadline - time.monotonic(), ROUND_WAIT, progress.wait())
         if quorum_since is not None:
             wait = min(wait, quorum_since + self.settings.last_call_timeout - time.monotonic())
         return max(wait, 0.001)
@@ -641,9 +631,10 @@ class ConsulRendezvous:
             seal_id=uuid.uuid4().hex, first_join=first_seen, quorum_at=quorum_at,
             sealed_at=time.time(),
         )
-        ops = [txn_kv("check-session", self.keys.leader, session=self._session),
+        ops = [txn_kv("check-session", self.keys.leader, session=self.registration.session),
                txn_kv("cas", self.keys.round, value=sealed.encode(),
                       index=previous.modify_index if previous else 0)]
+        _check_seal_fits(ops, sealed, self.run_id)
         try:
             res = self.client.txn(ops, deadline=self._op_deadline(deadline))
         except ConsulTxnConflict as exc:
@@ -666,19 +657,26 @@ class ConsulRendezvous:
         )
 
     def _drop_member(self, *, leader: bool = False) -> None:
+        session = self.registration.session
         for key in (self.keys.member(self.node_id), *([self.keys.leader] if leader else [])):
             with contextlib.suppress(ConsulError):
-                self.client.txn([txn_kv("check-session", key, session=self._session),
+                self.client.txn([txn_kv("check-session", key, session=session),
                                  txn_kv("delete", key)], deadline=self._op_deadline())
 
     def _closed_error(self, current: Round) -> RendezvousClosedError:
         info = current.closed or {}
+        alive = self._closed_alive
+        still = ""
+        if alive:
+            still = (f" {len(alive)} node(s) of that job are still alive "
+                     f"({', '.join(alive[:8])}{', ...' if len(alive) > 8 else ''}); once they "
+                     "are gone the run id can be used again.")
         return RendezvousClosedError(
-            f"Run {self.run_id} was closed by {info.get('by', '?')} ({info.get('reason', '')}); "
-            "start a new run id to train again."
+            f"Run {self.run_id} was closed by {info.get('by', '?')} ({info.get('reason', '')})."
+            f"{still} Start a new run id to train now."
         )
 
-    def _timeout_error(self, deadline: float) -> RendezvousTimeoutError:
+    def _timeout_error(self) -> RendezvousTimeoutError:
         detail = ""
         with contextlib.suppress(ConsulError, RendezvousStateError):
             res = self.client.kv_list(self.keys.prefix + "/", deadline=time.monotonic() + 2)
@@ -695,6 +693,9 @@ class ConsulRendezvous:
                     detail += (f" Round {state.round.round} is still running with "
                                f"{len(active)} of max_nodes {self.settings.max_nodes} nodes; "
                                "this node waits for room.")
+            if self.settings.rank_policy == "explicit":
+                candidates = [Candidate(m.node, rank=m.rank) for m in state.members.values()]
+                detail += f" Explicit ranks: {explicit_gap(candidates)}."
             if state.leader is None:
                 detail += " No coordinator held the leader key."
         return RendezvousTimeoutError(
@@ -705,51 +706,50 @@ class ConsulRendezvous:
     # ------------------------------------------------------------------ training-time watch
 
     def _start_watch(self, result: RoundResult) -> None:
-        generation = self._generation
-        thread = threading.Thread(target=self._watch_loop, args=(result, generation),
+        # The watch sees our member key vanish with our session: no need to probe it too.
+        self.registration.probe_session = False
+        thread = threading.Thread(target=self._watch_loop, args=(result, self._generation),
                                   name=f"consul-rdzv-watch-{self.node_id}", daemon=True)
-        self._watch = thread
-        self._watch_generation = generation
         thread.start()
 
-    def _watching(self) -> bool:
-        """True while the training watch of the current round runs: it sees our member key
-        vanish when our session is invalidated, so the heartbeat need not renew the session."""
-        watch = self._watch
-        return (watch is not None and watch.is_alive()
-                and self._watch_generation == self._generation)
-
     def _watch_loop(self, result: RoundResult, generation: int) -> None:
-        """Keeps ``num_nodes_waiting()`` current during training.
+        """Keeps ``num_nodes_waiting()`` current while the round runs; ends when it breaks.
 
         Blocks on the member key *names* (``?keys``), and reads the values (for their
-        ModifyIndex) only when the names cannot tell: a key was added or rewritten. When keys
-        only vanished and a participant is among them (a node died: the case that matters at
-        scale, where every survivor wakes at once), the names are enough; a full read of a
-        1024-node run is ~430 KB and ~9 ms of client CPU per watcher, the names ~24 KB and
-        0.3 ms.
+        ModifyIndex) only when the names cannot tell: a key was added, or rewritten while keys
+        of non-participants exist. When keys only vanished (a death: at scale every survivor
+        wakes at once) or a participant's key was rewritten (it asks for a new round) the names
+        are enough; a full read of a 1024-node run is ~430 KB and ~9 ms of client CPU per
+        watcher, the names ~24 KB and 0.3 ms. Once the round is broken the watch ends: this
+        node will join the next round anyway, and reading on would cost every node a request
+        per re-announcement (O(W^2) in a mass re-announce).
         """
         prefix = self.keys.members
+        participants = set(result.participants)
         index = BlockingIndex(result.members_index)
-        # node id -> ModifyIndex of its member key at our last full read. The participants were
-        # members at the seal, written at or before its members_index.
-        known: dict[str, int] = dict.fromkeys(result.participants, 0)
+        # node id -> what we know of its member key. The participants were members at the seal,
+        # written at or before its members_index.
+        known: dict[str, MemberView] = {n: MemberView(0) for n in result.participants}
         failures = 0
         while self._generation == generation:
             try:
                 res = self.client.kv_keys_query(prefix, index=index.param, wait=WATCH_WAIT,
                                                 deadline=time.monotonic())  # retried below
                 names = {k[len(prefix):] for k in res.data}
-                changed = res.index != index.index or names != known.keys()
+                moved = res.index != index.index
                 index.update(res.index)
-                died = names < known.keys() and any(
-                    p in known and p not in names for p in result.participants)
-                if died:
+                rewrite = names == known.keys() and moved and names <= participants
+                if names < known.keys():
                     known = {n: known[n] for n in names}
-                elif changed:
+                elif rewrite:
+                    # Same names, all participants, a key rewritten: a participant asks for a
+                    # new round. Which one matters to nobody: the round is over.
+                    self._end_watch(result, generation, "a participant asks for a new round")
+                    return
+                elif names != known.keys() or moved:
                     full = self.client.kv_list(prefix, deadline=time.monotonic())
                     index.update(full.index)
-                    known = {e.key[len(prefix):]: e.modify_index for e in full.data}
+                    known = {e.key[len(prefix):]: _view(e) for e in full.data}
                 failures = 0
             except ConsulError as exc:
                 # After a failure, read without blocking: Consul may be back with lower indexes
@@ -761,105 +761,119 @@ class ConsulRendezvous:
                                    self.node_id, self.run_id, exc)
                 time.sleep(min(0.1 * 2 ** failures, 2.0))
                 continue
-            waiting = _count_waiting(known, result, self.settings.max_nodes)
-            with self._lock:
-                if self._generation != generation:
-                    return  # a new next_round() rewrites our key: its absence means nothing
-                if self.node_id not in known:
-                    self._mark_lost("its member key was deleted (session invalidated)")
-                if waiting != self._waiting:
-                    logger.info("Node %s sees %d node(s) waiting in run %s (round %d).",
-                                self.node_id, waiting, self.run_id, result.round)
-                self._waiting = waiting
-
-
-class _Heartbeat(threading.Thread):
-    """Passes the node's TTL check every ``heartbeat_interval``; renews (probes) its session
-    while no training watch is running.
-
-    Waits on an Event (stop or wake), beats early rather than late, warns when a beat overruns.
-    """
-
-    def __init__(self, node: ConsulRendezvous) -> None:
-        super().__init__(name=f"consul-rdzv-heartbeat-{node.node_id}", daemon=True)
-        self.node = node
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._published: dict[str, str] | None = None
-        self._failures = 0
-        self._overruns = 0
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def run(self) -> None:
-        interval = self.node.settings.heartbeat_interval
-        next_beat = time.monotonic() + interval
-        while not self._stop.is_set():
-            wake_at = next_beat
-            if self.node._meta != self._published:
-                # Publish a new round's meta a moment later, off the round's busiest instant.
-                wake_at = min(wake_at, self._meta_due())
-            self._wake.wait(max(0.0, wake_at - time.monotonic()))
-            self._wake.clear()
-            if self._stop.is_set():
+            if not self._update_from_watch(known, result, generation):
                 return
-            if time.monotonic() >= next_beat:
-                started = time.monotonic()
-                self.beat(interval)
-                took = time.monotonic() - started
-                if took > interval:
-                    self._overruns += 1
-                    if self._overruns == 1 or self._overruns % 20 == 0:
-                        logger.warning("Heartbeat of node %s took %.2fs, longer than its "
-                                       "interval %.2fs (%d time(s) so far).", self.node.node_id,
-                                       took, interval, self._overruns)
-                next_beat = time.monotonic() + interval
-            if time.monotonic() >= self._meta_due():
-                self.publish_meta(interval)
 
-    def _meta_due(self) -> float:
-        changed = self.node._meta_changed
-        return changed + META_DELAY if changed else 0.0
+    def _update_from_watch(self, known: dict[str, MemberView], result: RoundResult,
+                           generation: int) -> bool:
+        """Apply one view of the members; False when the watch should end."""
+        broken = round_broken(known, result.participants, result.members_index)
+        waiting = count_waiting(known, result.participants, result.members_index, self.settings)
+        with self._lock:
+            if self._generation != generation:
+                return False  # a new next_round() rewrites our key: its absence means nothing
+            if self.node_id not in known:
+                self.registration.mark_lost("its member key was deleted (session invalidated)")
+            if waiting != self._waiting:
+                self._waiting = waiting
+                if not broken:
+                    logger.info("Node %s sees %d node(s) waiting to join run %s (round %d).",
+                                self.node_id, waiting, self.run_id, result.round)
+            if self.registration.lost:
+                self._set_broken(f"this node is out of its round: "
+                                 f"{self.registration.lost_reason}")
+            if not broken:
+                return True
+        gone = [n for n in broken if n not in known]
+        asking = [n for n in broken if n in known]
+        self._end_watch(result, generation, "; ".join(part for part in (
+            f"gone: {', '.join(gone[:8])}" if gone else "",
+            f"asking for a new round: {', '.join(asking[:8])}" if asking else "") if part))
+        return False
 
-    def beat(self, interval: float) -> None:
-        node = self.node
-        session = node._session
-        if session is None:
+    def _end_watch(self, result: RoundResult, generation: int, reason: str) -> None:
+        """The round is broken: say so once, and stop watching."""
+        with self._lock:
+            if self._generation != generation:
+                return
+            self._waiting = max(self._waiting, 1)
+            logger.info("Round %d of run %s is over for node %s (%s).", result.round,
+                        self.run_id, self.node_id, reason)
+            self._set_broken(f"round {result.round} is over ({reason})")
+            self.registration.probe_session = True  # nobody watches our key any more
+
+
+def _view(entry) -> MemberView:
+    rank = None
+    with contextlib.suppress(RendezvousStateError):
+        rank = Member.decode(entry).rank
+    return MemberView(entry.modify_index, rank)
+
+
+class _Progress:
+    """One INFO line every PROGRESS_EVERY seconds while a node waits for its round."""
+
+    def __init__(self, node: ConsulRendezvous, deadline: float) -> None:
+        self.node = node
+        self.deadline = deadline
+        self.due = time.monotonic() + PROGRESS_EVERY
+
+    def wait(self) -> float:
+        return max(0.001, self.due - time.monotonic())
+
+    def maybe_log(self, state: RunState, reason: str = "") -> None:
+        if time.monotonic() < self.due:
             return
-        deadline = time.monotonic() + interval
-        try:
-            # The check is passed even while the session is lost: next_round() registers the
-            # service again and creates the new session bound to it, which takes the check
-            # passing (a slow session create must not let its TTL run out).
-            node.client.agent_check_update(node.check_id, "pass", deadline=deadline)
-            # The session has no TTL: renewing it only asks whether it still exists. While the
-            # training watch runs it answers that for free (our member key is the session's),
-            # which halves a training node's requests; joining nodes still ask.
-            if not node._lost.is_set() and not node._watching():
-                node.client.session_renew(session, deadline=deadline)
-            self._failures = 0
-        except (ConsulNotFound, ConsulSessionInvalid) as exc:
-            if node._session == session:
-                node._mark_lost(f"its Consul registration is gone ({exc})")
-        except ConsulError as exc:
-            self._failures += 1
-            if self._failures == 1 or self._failures % 10 == 0:
-                logger.warning("Heartbeat of node %s failed %d time(s): %s", node.node_id,
-                               self._failures, exc)
-
-    def publish_meta(self, interval: float) -> None:
+        self.due = time.monotonic() + PROGRESS_EVERY
         node = self.node
-        meta = dict(node._meta)
-        if meta == self._published or node._session is None or node._lost.is_set():
-            return
-        try:
-            node._register_service(time.monotonic() + interval)
-            self._published = meta
-        except ConsulError as exc:
-            logger.debug("Node %s could not publish its service meta: %s", node.node_id, exc)
+        settings = node.settings
+        members = sorted(state.members)
+        if not members:  # a waiter reads only P/round/: look at the member names once
+            with contextlib.suppress(ConsulError):
+                members = sorted(k[len(node.keys.members):] for k in node.client.kv_keys(
+                    node.keys.members, deadline=time.monotonic() + 2))
+        current = state.round
+        number = current.round + 1 if current and current.ranks else 1
+        missing = ""
+        if current and current.ranks:
+            gone = [n for n in current.ranks if n not in members]
+            if gone:
+                missing = f"; gone from round {current.round}: {', '.join(gone[:8])}"
+        leader = state.leader.node if state.leader else "none"
+        logger.info(
+            "Run %s: node %s waits for round %d: %d of min %d nodes present (%s), max %d, "
+            "coordinator %s%s%s; join timeout in %.0fs.", node.run_id, node.node_id, number,
+            len(members), settings.min_nodes, ", ".join(members[:8]) + (
+                ", ..." if len(members) > 8 else ""), settings.max_nodes, leader, missing,
+            f"; {reason}" if reason else "", self.deadline - time.monotonic())
 
+
+def _check_round_fits(settings: RendezvousSettings, node_id: str, host: str) -> None:
+    """Refuse a max_nodes whose sealed round could not fit Consul's transaction limit."""
+    id_len, host_len = json_len(node_id), json_len(host)
+    if round_bytes(settings.max_nodes, id_len, host_len, len(settings.prefix)) <= MAX_TXN_BYTES:
+        return
+    fits = largest_world(id_len, host_len, len(settings.prefix))
+    raise ValueError(
+        f"max_nodes={settings.max_nodes} does not fit in Consul: a sealed round names every "
+        f"node (ids like {node_id!r}, {id_len} characters, on hosts like {host!r}) in one "
+        f"transaction, and Consul refuses transactions over {MAX_TXN_BYTES // 1024} KiB. The "
+        f"largest world that fits with such names is about {fits} nodes: use shorter node ids "
+        "(rdzv conf node_id) or a lower max_nodes."
+    )
+
+
+def _check_seal_fits(ops: list[dict], sealed: Round, run_id: str) -> None:
+    size = len(json.dumps(ops))
+    if size <= MAX_TXN_BYTES:
+        return
+    longest_id = max(json_len(n) for n in sealed.ranks)
+    longest_host = max((json_len(h) for h in sealed.hosts), default=0)
+    fits = largest_world(longest_id, longest_host)
+    raise RendezvousStateError(
+        f"Round {sealed.round} of run {run_id} with {sealed.world_size} nodes cannot be sealed: "
+        f"its transaction is {size // 1024} KiB and Consul refuses transactions over "
+        f"{MAX_TXN_BYTES // 1024} KiB. With node ids of up to {longest_id} characters the "
+        f"largest world that fits is about {fits} nodes: use shorter node ids or lower "
+        "max_nodes."
+    )

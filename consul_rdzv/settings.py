@@ -23,9 +23,16 @@ class RendezvousSettings:
 
     ``heartbeat_timeout`` is the TTL of the node's Consul health check: a node that stops passing
     it for that long is dead, its session is invalidated and its member key deleted.
-    ``keep_alive_interval`` (default a third of it) is how often the check is passed.
-    ``consul_timeout`` is how long a Consul outage is ridden out (retries with backoff) before a
-    call gives up with a connection error.
+    ``keep_alive_interval`` (default a third of it, at most half of it) is how often the check is
+    passed. ``consul_timeout`` is how long a Consul outage is ridden out (retries with backoff)
+    before a call gives up with a connection error. ``read_timeout`` (c10d's key) bounds how long
+    a member of a sealed round waits to reach the round's trainer store and for every other
+    member to check in there; it is also the timeout of that store's operations.
+
+    One owner per timeout: ``join_timeout`` is the deadline of one ``next_round()``;
+    ``consul_timeout`` is the client's retry budget per call (counted from its first failure);
+    ``close_timeout`` bounds ``close()`` and ``leave()``; ``heartbeat_timeout`` and
+    ``keep_alive_interval`` belong to the registration's heartbeat.
     """
 
     run_id: str
@@ -39,6 +46,7 @@ class RendezvousSettings:
     heartbeat_timeout: float = 5.0
     keep_alive_interval: float | None = None
     consul_timeout: float = 10.0
+    read_timeout: float = 60.0
     rank_policy: str = "stable"
     topology_keys: tuple[str, ...] = ()
     node_rank: int | None = None
@@ -69,7 +77,7 @@ class RendezvousSettings:
                 f"({self.min_nodes})."
             )
         for name in ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-                     "consul_timeout"):
+                     "consul_timeout", "read_timeout"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}.")
@@ -79,11 +87,14 @@ class RendezvousSettings:
                 "the TTL of the node's Consul health check."
             )
         if self.keep_alive_interval is not None and not (
-            0 < self.keep_alive_interval < self.heartbeat_timeout
+            isinstance(self.keep_alive_interval, int | float)
+            and 0 < self.keep_alive_interval <= self.heartbeat_timeout / 2
         ):
             raise ValueError(
-                f"keep_alive_interval ({self.keep_alive_interval}) must be positive and below "
-                f"heartbeat_timeout ({self.heartbeat_timeout})."
+                f"keep_alive_interval ({self.keep_alive_interval!r}) must be positive and at most "
+                f"half of heartbeat_timeout ({self.heartbeat_timeout:g}s): the check is passed "
+                "every keep_alive_interval and lapses after heartbeat_timeout, so one late or "
+                "lost pass must not be enough to declare the node dead."
             )
         if self.rank_policy not in POLICIES:
             raise ValueError(
@@ -128,7 +139,7 @@ class RendezvousSettings:
 
 #: ``--rdzv-conf`` keys that map onto settings fields, with their parsers.
 _FLOAT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-               "keep_alive_interval", "consul_timeout")
+               "keep_alive_interval", "consul_timeout", "read_timeout")
 #: Keys the torch adapter reads itself (Consul connection), listed here so one table is the truth.
 CONNECTION_KEYS = ("token_file", "datacenter", "ca_file", "ca_path", "client_cert", "client_key",
                    "tls_server_name", "ssl", "local_addr", "node_id")
@@ -138,7 +149,6 @@ IGNORED_KEYS = {
     "is_host": "the trainer store always runs on rank 0",
     "use_libuv": "the trainer store uses torch's default TCPStore backend",
     "store_type": "the rendezvous state lives in Consul",
-    "read_timeout": "Consul calls have their own timeouts (consul_timeout)",
 }
 SETTINGS_KEYS = (*_FLOAT_KEYS, "timeout", "key_prefix", "service_name", "rank_policy",
                  "topology_keys", "node_rank", "node_meta")

@@ -3,29 +3,56 @@
 torch loads ``handler_factory`` through the ``torchrun.handlers`` entry point, calls it with no
 arguments and registers what it returns as the creator of ``consul`` handlers.
 
-Trainer store: every node reserves a listening socket before it joins a round and advertises it
-in its member value. The sealed round names rank 0's endpoint; rank 0 starts a fresh TCPStore
+**Trainer store.** Every node reserves a listening socket before it joins a round and advertises
+it in its member value. The sealed round names rank 0's endpoint; rank 0 starts a fresh TCPStore
 server on that very socket (``master_listen_fd``), everyone else closes its reservation and
-connects as a client. So every member of a round gets the same, live endpoint, without an extra
-Consul round trip, whichever node becomes rank 0 — and no endpoint is ever reused across rounds.
+connects as a client. Then every member **checks in** at that store and waits until all have:
+while it connects and waits, a member that is gone (its key vanished: dead within the check TTL)
+or that asks for a new round sends everyone to the next round at once, and ``read_timeout``
+bounds the whole meeting. So ``next_rendezvous()`` returns only when every member of the round
+reached the same live store, and torch's own rank assignment on it cannot hang on a dead peer.
 
-``shutdown()`` closes the run, as torch's own c10d handler does: torch's launcher calls it only
-when this agent is finished for good (success after the exit barrier, or failure after
-``--max-restarts``), never when the agent is stopped by a signal. It then leaves cleanly.
-If this node's last ``next_rendezvous()`` failed because Consul was unreachable or refused it,
-the close and the leave get at most ``SHUTDOWN_AFTER_CONSUL_FAILURE`` seconds together instead of
-``close_timeout`` each: the launcher is already failing, and riding out the same outage again
-would only delay torchrun's exit (by 30 s or more with the defaults).
+**Ending.** torch's launcher (torch 2.13 ``launch_agent``) calls ``shutdown()`` from its
+``finally`` whenever the agent did not die of a ``SignalException``: after success, after a
+failure past ``--max-restarts``, but also after a rendezvous error or a Ctrl-C before the
+workers first started (a plain ``KeyboardInterrupt``). ``shutdown()`` therefore closes the run
+only when the job ended for good *and* this node is a member of the run's current round: no
+exception (workers succeeded) or ``ChildFailedError`` (workers failed past ``--max-restarts``).
+In every other case (Ctrl-C, a rendezvous timeout of a spare node, any error) it only leaves.
+A node stopped by a signal leaves too: before the workers start, SIGTERM (and the other signals
+torch handles, where their disposition is the default) raises torch's ``SignalException``
+instead of killing the process outright, and an ``atexit`` hook leaves (bounded) whenever the
+agent exits without ``shutdown()``: survivors restart at once instead of after the check TTL.
 """
 
 from __future__ import annotations
 
+
+def handler_factory():
+    """The ``torchrun.handlers`` entry point: torch calls it with no arguments.
+
+    Defined before torch is imported: importing torch's rendezvous package loads its registry,
+    which loads this entry point, so ``import consul_rdzv.torch`` before torch's registry finds
+    this function already defined (and the handler creator resolved when first called).
+    """
+    return _create_handler
+
+
+def _create_handler(params):
+    return create_handler(params)
+
+
+import atexit
 import contextlib
 import datetime
 import logging
+import os
+import signal
 import socket
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from torch.distributed import PrefixStore, Store, TCPStore
@@ -41,18 +68,22 @@ from . import errors
 from .client import ConsulClient
 from .config import ConsulConfig
 from .rendezvous import ConsulRendezvous, RoundResult
-from .settings import settings_from_conf
+from .settings import RendezvousSettings, settings_from_conf
 
 logger = logging.getLogger(__name__)
 
 BACKEND = "consul"
 #: Retry budget of the registration attempted when the handler is created.
 EAGER_REGISTER_TIMEOUT = 1.0
-#: How long a node waits to connect to rank 0's trainer store before it gives up on the round
-#: (rank 0 died between the seal and its store) and joins the next one.
-STORE_CONNECT_TIMEOUT = 60.0
+#: How often a node connecting to rank 0's store, or waiting there for the other members, looks
+#: whether the round broke meanwhile (a local flag the membership watch sets: no request).
+STORE_POLL = 0.1
 #: How long ``shutdown()`` may take (close, then leave) after Consul failed this node.
 SHUTDOWN_AFTER_CONSUL_FAILURE = 3.0
+#: How long the leave of an agent that exits without ``shutdown()`` (a signal) may take.
+LEAVE_AT_EXIT = 3.0
+#: Keys of the check-in under the round's store prefix.
+CHECKIN = "consul-rdzv/checkin"
 
 _ERRORS: tuple[tuple[type[Exception], type[Exception]], ...] = (
     (errors.RendezvousClosedError, torch_api.RendezvousClosedError),
@@ -63,8 +94,8 @@ _ERRORS: tuple[tuple[type[Exception], type[Exception]], ...] = (
 )
 
 
-class _StoreUnreachable(Exception):
-    """Rank 0's trainer store of the round could not be reached."""
+class _RoundAbandoned(Exception):
+    """A member of the round is gone or asks for a new round: meet in the next one."""
 
 
 def _to_torch(exc: Exception) -> Exception:
@@ -72,6 +103,22 @@ def _to_torch(exc: Exception) -> Exception:
         if isinstance(exc, ours):
             return theirs(str(exc))
     return exc
+
+
+def _interrupted(exc: BaseException | None) -> bool:
+    """Ctrl-C, exit or a signal: the agent is being stopped, its job has not ended."""
+    # Imported here: torch's agent modules load the rendezvous registry, which imports us.
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    return isinstance(exc, SignalException) or (
+        exc is not None and not isinstance(exc, Exception))
+
+
+def _failed_for_good(exc: BaseException | None) -> bool:
+    """torch's launcher raises ChildFailedError when the workers failed past --max-restarts."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    return isinstance(exc, ChildFailedError)
 
 
 class ConsulRendezvousInfo(RendezvousInfo):
@@ -121,18 +168,18 @@ class _StoreEndpoint:
 class ConsulRendezvousHandler(RendezvousHandler):
     """torch's ``RendezvousHandler`` on top of :class:`ConsulRendezvous`."""
 
-    def __init__(self, rdzv: ConsulRendezvous, *, local_addr: str | None = None,
-                 store_timeout: float | None = None) -> None:
-        self._rdzv = rdzv
-        self._local_addr = local_addr
+    def __init__(self, settings: RendezvousSettings, client: ConsulClient, *,
+                 node_id: str | None = None, local_addr: str | None = None) -> None:
         self._bind_addr = local_addr or ""
         self._advertise = local_addr or socket.getfqdn()
-        self._store_timeout = datetime.timedelta(
-            seconds=store_timeout or rdzv.settings.join_timeout)
+        self._rdzv = ConsulRendezvous(settings, client, node_id=node_id,
+                                      endpoint_provider=self._reserve_endpoint)
         self._reserved: _StoreEndpoint | None = None
         self._server: TCPStore | None = None
         self._consul_failure: Exception | None = None
-        rdzv._endpoint_provider = self._reserve_endpoint
+        self._in_round: RoundResult | None = None  # set while this node is in a live round
+        self._interrupted = False
+        _LIVE.add(self)
 
     @property
     def rendezvous(self) -> ConsulRendezvous:
@@ -156,37 +203,57 @@ class ConsulRendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> ConsulRendezvousInfo:
         """See base class."""
         self._server = None  # the previous round's store server goes away with its round
-        deadline = time.monotonic() + self._rdzv.settings.join_timeout
-        while True:
-            result = self._next_round()
-            try:
-                return self._connect(result, deadline)
-            except _StoreUnreachable as exc:
-                if time.monotonic() >= deadline:
-                    raise torch_api.RendezvousConnectionError(str(exc)) from exc
-                logger.warning("%s; joining the next round instead.", exc)
+        self._in_round = None
+        _leave_on_signals()
+        settings = self._rdzv.settings
+        deadline = time.monotonic() + settings.join_timeout
+        try:
+            while True:
+                result = self._next_round()
+                try:
+                    info = self._meet(result, time.monotonic() + settings.read_timeout)
+                except _RoundAbandoned as exc:
+                    self._server = None
+                    if time.monotonic() >= deadline:
+                        raise torch_api.RendezvousTimeoutError(
+                            f"Node {self._rdzv.node_id} of run {result.run_id} gave up after "
+                            f"join_timeout ({settings.join_timeout:g}s): the members of round "
+                            f"{result.round} did not all meet ({exc})."
+                        ) from exc
+                    logger.warning("Node %s leaves round %d of run %s before training: %s; "
+                                   "joining the next round.", self._rdzv.node_id, result.round,
+                                   result.run_id, exc)
+                    continue
+                self._in_round = result
+                return info
+        except BaseException as exc:
+            self._server = None
+            self._release_reservation()
+            if _interrupted(exc):
+                self._interrupted = True
+            raise
 
     def _next_round(self) -> RoundResult:
         try:
             result = self._rdzv.next_round()
-        except Exception as exc:
-            self._release_reservation()
-            if isinstance(exc, errors.RendezvousConnectionError | errors.ConsulError):
+        except errors.RendezvousError as exc:
+            if isinstance(exc, errors.RendezvousConnectionError):
                 self._consul_failure = exc
             raise _to_torch(exc) from exc
         self._consul_failure = None
         return result
 
-    def _connect(self, result: RoundResult, deadline: float) -> ConsulRendezvousInfo:
+    def _meet(self, result: RoundResult, until: float) -> ConsulRendezvousInfo:
+        """Reach rank 0's trainer store and wait there until every member checked in."""
         endpoint = result.store
         if not endpoint or "host" not in endpoint or "port" not in endpoint:
-            self._release_reservation()
             raise torch_api.RendezvousStateError(
                 f"Round {result.round} of run {result.run_id} names no trainer store endpoint "
                 f"for rank 0 ({result.participants[0]}); is every node running consul-rdzv's "
                 "torch handler?"
             )
         host, port = str(endpoint["host"]), int(endpoint["port"])
+        timeout = datetime.timedelta(seconds=self._rdzv.settings.read_timeout)
         if result.rank == 0:
             fd = self._reserved.detach() if self._reserved else -1
             self._reserved = None
@@ -195,8 +262,8 @@ class ConsulRendezvousHandler(RendezvousHandler):
                     "This node is rank 0 but holds no reserved trainer-store socket."
                 )
             try:
-                tcp = TCPStore(host, port, None, True, self._store_timeout,
-                               wait_for_workers=False, master_listen_fd=fd)
+                tcp = TCPStore(host, port, None, True, timeout, wait_for_workers=False,
+                               master_listen_fd=fd)
             except (RuntimeError, OSError) as exc:
                 raise torch_api.RendezvousConnectionError(
                     f"Node {self._rdzv.node_id} could not start the trainer store of round "
@@ -205,19 +272,86 @@ class ConsulRendezvousHandler(RendezvousHandler):
             self._server = tcp
         else:
             self._release_reservation()
-            connect = max(1.0, min(STORE_CONNECT_TIMEOUT, deadline - time.monotonic()))
-            try:
-                tcp = TCPStore(host, port, None, False, datetime.timedelta(seconds=connect))
-            except (RuntimeError, OSError) as exc:
-                raise _StoreUnreachable(
-                    f"Node {self._rdzv.node_id} could not reach the trainer store of round "
-                    f"{result.round} of run {result.run_id} at {host}:{port} (rank 0 is "
-                    f"{result.participants[0]}) within {connect:g}s: {exc}"
-                ) from exc
-            tcp.set_timeout(self._store_timeout)
+            tcp = self._connect(result, host, port, until)
+            tcp.set_timeout(timeout)
         store = PrefixStore(f"torchelastic/{result.run_id}/{result.round}", tcp)
+        if result.world_size > 1:
+            self._check_in(store, result, until)
         return ConsulRendezvousInfo(store, result.rank, result.world_size,
                                     RendezvousStoreInfo(host, port), result)
+
+    def _connect(self, result: RoundResult, host: str, port: int, until: float) -> TCPStore:
+        """Connect to rank 0's store with the whole budget, unless the round breaks first.
+
+        One attempt (a connection burst against rank 0 can take seconds: slow reverse DNS on
+        its side, a full backlog; short attempts would only queue up again).
+        """
+        rdzv = self._rdzv
+        try:
+            return self._unless_broken(lambda: TCPStore(host, port, None, False,
+                                                        _seconds(until)), until, "connect")
+        except (RuntimeError, OSError) as exc:
+            error = exc
+        reason = rdzv.wait_round_broken(max(0.0, until - time.monotonic()))
+        if reason:  # rank 0 refused us because it is dead, and Consul says so now
+            raise _RoundAbandoned(reason) from error
+        raise torch_api.RendezvousConnectionError(
+            f"Node {rdzv.node_id} could not reach the trainer store of round "
+            f"{result.round} of run {result.run_id} at {host}:{port} (hosted by rank 0, "
+            f"{result.participants[0]}) within read_timeout ({rdzv.settings.read_timeout:g}s), "
+            f"although rank 0 is alive in Consul: {error}. Check that {host} resolves and that "
+            "the port is reachable from this host (--local-addr of rank 0, firewalls)."
+        ) from error
+
+    def _check_in(self, store: Store, result: RoundResult, until: float) -> None:
+        """Say we are here, and wait until every member of the round has said so."""
+        rdzv = self._rdzv
+        done = f"{CHECKIN}/done"
+
+        def check_in() -> None:
+            store.set(f"{CHECKIN}/{result.rank}", rdzv.node_id)
+            if store.add(CHECKIN, 1) == result.world_size:
+                store.set(done, "1")
+            store.wait([done], _seconds(until))
+
+        try:
+            self._unless_broken(check_in, until, "check-in")
+        except (RuntimeError, OSError) as exc:
+            reason = rdzv.wait_round_broken(max(0.0, until - time.monotonic()))
+            if reason:  # the store failed because rank 0 died, and Consul says so now
+                raise _RoundAbandoned(reason) from exc
+            raise torch_api.RendezvousTimeoutError(
+                f"Node {rdzv.node_id}: not every member of round {result.round} of run "
+                f"{result.run_id} reached its trainer store within read_timeout "
+                f"({rdzv.settings.read_timeout:g}s); missing: "
+                f"{', '.join(_missing(store, result)) or 'unknown'}. They are alive in Consul "
+                f"but did not check in: hung, or unable to reach rank 0's store ({exc})."
+            ) from exc
+
+    def _unless_broken(self, call: Callable[[], object], until: float, what: str) -> object:
+        """``call()`` (a blocking store operation bounded by ``until``) in a thread; raises
+        _RoundAbandoned as soon as the round breaks. An abandoned call ends by its timeout."""
+        rdzv = self._rdzv
+        outcome: dict = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome["value"] = call()
+            except BaseException as exc:  # handed to the caller's thread
+                outcome["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, daemon=True,
+                         name=f"consul-rdzv-store-{what}-{rdzv.node_id}").start()
+        while not done.wait(STORE_POLL):
+            reason = rdzv.wait_round_broken(0)
+            if reason:
+                raise _RoundAbandoned(reason)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("value")
 
     def _release_reservation(self) -> None:
         reserved, self._reserved = self._reserved, None
@@ -228,14 +362,14 @@ class ConsulRendezvousHandler(RendezvousHandler):
         """See base class."""
         try:
             return self._rdzv.is_closed()
-        except Exception as exc:
+        except errors.RendezvousError as exc:
             raise _to_torch(exc) from exc
 
     def set_closed(self) -> None:
         """See base class."""
         try:
             self._rdzv.close("set_closed() called by the torch agent")
-        except Exception as exc:
+        except errors.RendezvousError as exc:
             raise _to_torch(exc) from exc
 
     def num_nodes_waiting(self) -> int:
@@ -247,41 +381,125 @@ class ConsulRendezvousHandler(RendezvousHandler):
         return self._rdzv.run_id
 
     def shutdown(self) -> bool:
-        """See base class (and the module docstring: closes the run, then leaves)."""
-        if self._consul_failure is None:
-            return self._close_and_leave()
+        """See base class, and the module docstring: close only when the job ended for good
+        and this node is in the current round; leave in any case."""
+        exc = sys.exc_info()[1]  # torch calls us from launch_agent's `finally`
         rdzv = self._rdzv
+        reason = None
+        if self._interrupted or _interrupted(exc):
+            why = "it was interrupted (Ctrl-C or a signal): the job goes on without it"
+        elif self._in_round is None:
+            why = "it is not in a round (its last rendezvous failed or never completed)"
+        elif exc is None:
+            why, reason = "", "the job finished: the workers of this node succeeded"
+        elif _failed_for_good(exc):
+            why, reason = "", "the job failed: workers failed past --max-restarts"
+        else:
+            why = f"its agent failed ({type(exc).__name__}), which does not end the job"
+        if reason is None:
+            logger.info("Node %s leaves run %s without closing it: %s.", rdzv.node_id,
+                        rdzv.run_id, why)
+        if self._consul_failure is None:
+            return self._finish(reason, rdzv.settings.close_timeout)
         budget = min(rdzv.settings.close_timeout, SHUTDOWN_AFTER_CONSUL_FAILURE)
-        logger.warning("Node %s shuts down after a Consul failure; closing run %s and leaving "
-                       "get at most %gs.", rdzv.node_id, rdzv.run_id, budget)
-        # Retries stop by themselves within the budget; the thread also bounds requests that
-        # hang (a frozen Consul answers no request before the client's read timeout).
-        rdzv.settings = rdzv.settings.with_(close_timeout=budget / 2)
-        outcome: list[bool] = []
-        worker = threading.Thread(target=lambda: outcome.append(self._close_and_leave()),
-                                  name=f"consul-rdzv-shutdown-{rdzv.node_id}", daemon=True)
-        worker.start()
-        worker.join(budget)
-        if worker.is_alive():
-            logger.warning("Node %s gave up closing run %s and leaving after %gs: Consul does not "
-                           "answer.", rdzv.node_id, rdzv.run_id, budget)
+        logger.warning("Node %s shuts down after a Consul failure; leaving run %s gets at most "
+                       "%gs.", rdzv.node_id, rdzv.run_id, budget)
+        outcome = _bounded(lambda: self._finish(reason, budget / 2), budget,
+                           f"consul-rdzv-shutdown-{rdzv.node_id}")
+        if outcome is None:
+            logger.warning("Node %s gave up leaving run %s after %gs: Consul does not answer.",
+                           rdzv.node_id, rdzv.run_id, budget)
             self._release_reservation()
             self._server = None
             return False
-        return outcome[0]
+        return outcome
 
-    def _close_and_leave(self) -> bool:
+    def _finish(self, close_reason: str | None, timeout: float) -> bool:
         ok = True
-        try:
-            self._rdzv.close("shutdown() by the torch launcher")
-        except errors.RendezvousError as exc:
-            logger.warning("Node %s could not close run %s at shutdown: %s",
-                           self._rdzv.node_id, self._rdzv.run_id, exc)
-            ok = False
-        ok = self._rdzv.leave() and ok
+        if close_reason is not None and self._in_round is not None:
+            try:
+                self._rdzv.close_if_current(self._in_round, close_reason, timeout=timeout)
+            except errors.RendezvousError as exc:
+                logger.warning("Node %s could not close run %s at shutdown: %s",
+                               self._rdzv.node_id, self._rdzv.run_id, exc)
+                ok = False
+        ok = self._rdzv.leave(timeout=timeout) and ok
         self._release_reservation()
         self._server = None
         return ok
+
+
+def _seconds(until: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(0.1, until - time.monotonic()))
+
+
+def _missing(store: Store, result: RoundResult) -> list[str]:
+    missing = []
+    for rank, node in enumerate(result.participants):
+        with contextlib.suppress(RuntimeError, OSError):
+            if not store.check([f"{CHECKIN}/{rank}"]):
+                missing.append(f"rank {rank} ({node})")
+    return missing
+
+
+def _bounded(call: Callable[[], bool], budget: float, name: str) -> bool | None:
+    """``call()`` in a daemon thread; its result, or None if it took longer than ``budget``
+    (a frozen Consul answers no request before the client's read timeout)."""
+    outcome: list[bool] = []
+    worker = threading.Thread(target=lambda: outcome.append(call()), name=name, daemon=True)
+    worker.start()
+    worker.join(budget)
+    return outcome[0] if outcome else None
+
+
+#: Handlers whose node may still have to leave when the process exits.
+_LIVE: weakref.WeakSet[ConsulRendezvousHandler] = weakref.WeakSet()
+
+
+@atexit.register
+def _leave_at_exit() -> None:
+    """An agent that exits without ``shutdown()`` (a signal) leaves: every node of the process
+    at once, LEAVE_AT_EXIT seconds in all."""
+    nodes = [h._rdzv for h in list(_LIVE) if not h._rdzv.left]
+    threads = [threading.Thread(target=rdzv.leave, kwargs={"timeout": LEAVE_AT_EXIT},
+                                name=f"consul-rdzv-exit-{rdzv.node_id}", daemon=True)
+               for rdzv in nodes]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + LEAVE_AT_EXIT
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+_SIGNALS_INSTALLED = False
+
+
+def _leave_on_signals() -> None:
+    """Before the workers start, make torch's signals raise ``SignalException``.
+
+    torch installs its own handlers (SIGTERM, SIGINT, SIGHUP, SIGQUIT by default:
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE``) only when it starts the workers; until then SIGTERM
+    kills the agent with no Python cleanup, leaving its node in the run until the check TTL
+    expires. Only default dispositions are replaced (a user's handler stays), only from the
+    main thread, and torch's handlers replace ours when the workers start.
+    """
+    global _SIGNALS_INSTALLED
+    if _SIGNALS_INSTALLED or threading.current_thread() is not threading.main_thread():
+        return
+    _SIGNALS_INSTALLED = True
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    for name in names.split(","):
+        sig = getattr(signal, name.strip(), None)
+        if isinstance(sig, signal.Signals) and signal.getsignal(sig) == signal.SIG_DFL:
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(sig, _raise_signal_exception)
+
+
+def _raise_signal_exception(signum: int, frame) -> None:
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    sig = signal.Signals(signum)
+    raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
 
 
 def _consul_config(endpoint: str, conf: dict) -> ConsulConfig:
@@ -304,24 +522,23 @@ def _consul_config(endpoint: str, conf: dict) -> ConsulConfig:
 
 def create_handler(params: RendezvousParameters) -> ConsulRendezvousHandler:
     """Build a handler from torchrun's parameters. Bad values raise ValueError naming the key."""
-    conf = {k: v for k, v in params.config.items()}
+    conf = dict(params.config.items())
     settings = settings_from_conf(params.run_id, params.min_nodes, params.max_nodes, conf)
     config = _consul_config((params.endpoint or "").strip(), conf)
     client = ConsulClient(config, retry_timeout=settings.consul_timeout)
     local_addr = params.local_addr or conf.get("local_addr") or None
-    rdzv = ConsulRendezvous(settings, client, node_id=conf.get("node_id") or None)
+    handler = ConsulRendezvousHandler(settings, client, node_id=conf.get("node_id") or None,
+                                      local_addr=local_addr)
+    rdzv = handler.rendezvous
     try:
-        # torchrun creates the handler when the agent starts: show up in Consul right away.
-        # Best effort and short: next_rendezvous() registers (and reports errors) otherwise.
+        # torchrun creates the handler when the agent starts: show up in Consul right away
+        # (and take over from a predecessor with our node id). Best effort and short:
+        # next_rendezvous() registers (and reports errors) otherwise.
         rdzv.register(timeout=EAGER_REGISTER_TIMEOUT)
     except errors.RendezvousError as exc:
         logger.debug("Node %s could not register at handler creation (%s); next_rendezvous() "
                      "will.", rdzv.node_id, exc)
     logger.info("Created consul rendezvous handler for run %s (node %s, Consul %s).",
                 settings.run_id, rdzv.node_id, config.url)
-    return ConsulRendezvousHandler(rdzv, local_addr=local_addr)
+    return handler
 
-
-def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The ``torchrun.handlers`` entry point: torch calls it with no arguments."""
-    return create_handler

@@ -2,6 +2,7 @@
 
     python tests/node_process.py --run-id R --key-prefix P --node-id N --min 2 --max 3 \
         [--heartbeat 2] [--last-call 0.3] [--join-timeout 60] [--consul-timeout 10] [--host H]
+        [--node-rank R]
 
 Consul is found through ``CONSUL_HTTP_ADDR`` (and the other ``CONSUL_*`` variables) of the
 environment. The node joins one round at start and prints one JSON line per outcome on stdout:
@@ -65,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--last-call", type=float, default=0.3)
     parser.add_argument("--join-timeout", type=float, default=60.0)
     parser.add_argument("--consul-timeout", type=float, default=10.0)
+    parser.add_argument("--node-rank", type=int, default=None,
+                        help="ask for this rank (rank_policy explicit)")
+    parser.add_argument("--store-port", type=int, default=None,
+                        help="advertise 127.0.0.1:PORT as this node's trainer store (a port "
+                             "nothing serves: the node never hosts one)")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -74,9 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         max_nodes=args.max_nodes, heartbeat_timeout=args.heartbeat,
         last_call_timeout=args.last_call, join_timeout=args.join_timeout,
         consul_timeout=args.consul_timeout, close_timeout=5.0,
+        rank_policy="explicit" if args.node_rank is not None else "stable",
+        node_rank=args.node_rank,
     )
+    endpoint = (endpoint_for(args.node_id) if args.store_port is None
+                else {"host": "127.0.0.1", "port": args.store_port})
     node = ConsulRendezvous(settings, node_id=args.node_id, host=args.host or args.node_id,
-                            endpoint_provider=lambda: endpoint_for(args.node_id))
+                            endpoint_provider=lambda: endpoint)
     join(node)
     for line in sys.stdin:
         command = line.strip()

@@ -8,8 +8,8 @@ import consul_rdzv
 
 def test_all_lists_exactly_the_public_names():
     public = {n for n in vars(consul_rdzv) if not n.startswith("_")} | {"__version__"}
-    modules = {"client", "cli", "config", "errors", "layout", "ranks", "rendezvous", "settings",
-               "testing", "torch"}
+    modules = {"client", "cli", "config", "errors", "layout", "planning", "ranks", "registration",
+               "rendezvous", "settings", "testing", "torch"}
     assert set(consul_rdzv.__all__) == public - modules
     assert sorted(consul_rdzv.__all__) == consul_rdzv.__all__
 

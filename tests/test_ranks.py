@@ -1,13 +1,23 @@
 """Pure logic, no Consul: rank policies (ranks.py) and the coordinator's and the watch's
-decisions (plan_round, count_waiting, active_participants) on hand-built run states."""
+decisions (planning.py: plan_round, count_waiting, round_broken, active_participants, the round
+size limit) on hand-built run states."""
 
 from __future__ import annotations
 
 import pytest
 
 from consul_rdzv.layout import Member, Round, RunState
-from consul_rdzv.ranks import Candidate, NotReady, assign, natural_key, select
-from consul_rdzv.rendezvous import RoundResult, active_participants, count_waiting, plan_round
+from consul_rdzv.planning import (
+    MAX_TXN_BYTES,
+    MemberView,
+    active_participants,
+    count_waiting,
+    largest_world,
+    plan_round,
+    round_broken,
+    round_bytes,
+)
+from consul_rdzv.ranks import Candidate, NotReady, assign, explicit_prefix, natural_key, select
 from consul_rdzv.settings import RendezvousSettings
 
 # ----------------------------------------------------------------------------- helpers
@@ -30,10 +40,11 @@ def settings(min_nodes: int, max_nodes: int, **kwargs) -> RendezvousSettings:
     return RendezvousSettings(run_id="r", min_nodes=min_nodes, max_nodes=max_nodes, **kwargs)
 
 
-def result_of(current: Round) -> RoundResult:
-    return RoundResult(run_id="r", round=current.round, rank=0, world_size=current.world_size,
-                       participants=list(current.ranks), hosts=list(current.hosts), store=None,
-                       coordinator="", seal_id="", members_index=current.members_index)
+def waiting(s: RunState, current: Round, max_nodes: int, **kwargs) -> int:
+    """count_waiting as the training watch of a participant of ``current`` computes it."""
+    views = {n: MemberView(m.modify_index, m.rank) for n, m in s.members.items()}
+    cfg = settings(1, max_nodes, **kwargs)
+    return count_waiting(views, list(current.ranks), current.members_index, cfg)
 
 
 def cand(node: str, join: int, **kwargs) -> Candidate:
@@ -64,10 +75,18 @@ def test_select_takes_survivors_by_old_rank_then_newcomers_by_join_order():
 
 
 def test_select_explicit_takes_the_first_asker_of_each_rank_within_max_nodes():
-    cands = [cand("late-dup", 30, rank=0), cand("a", 10, rank=0), cand("b", 20, rank=2),
+    cands = [cand("late-dup", 30, rank=0), cand("a", 10, rank=0), cand("b", 20, rank=1),
              cand("too-high", 5, rank=3), cand("no-rank", 1)]
     chosen = select(cands, {}, 3, "explicit")
-    assert [(c.node, c.rank) for c in chosen] == [("a", 0), ("b", 2)]
+    assert [(c.node, c.rank) for c in chosen] == [("a", 0), ("b", 1)]
+
+
+def test_select_explicit_stops_at_the_first_rank_nobody_asked_for():
+    cands = [cand("a", 10, rank=0), cand("b", 20, rank=1), cand("d", 30, rank=3)]
+    assert [c.node for c in select(cands, {}, 5, "explicit")] == ["a", "b"]
+    assert select([cand("x", 1, rank=1)], {}, 5, "explicit") == []
+    assert explicit_prefix([3, 0, 1]) == [0, 1]
+    assert explicit_prefix([]) == []
 
 
 # ----------------------------------------------------------------------------- assign
@@ -183,13 +202,24 @@ def test_plan_first_round_below_max_waits_for_the_last_call():
     assert plan_round(s, cfg, now=6.0, quorum_since=1.0).seal == ["a", "b"]
 
 
-def test_plan_explicit_waits_for_missing_ranks():
+def test_plan_explicit_waits_for_missing_ranks_and_names_the_gap():
     cfg = settings(2, 3, rank_policy="explicit", node_rank=0)
     s = state([member("a", 10, rank=0), member("b", 11, rank=2)])
     plan = plan_round(s, cfg, now=1000.0, quorum_since=0.0)
-    assert plan.seal is None and "explicit ranks [1]" in plan.reason
+    assert plan.seal is None
+    assert "rank 1 has no node, so rank(s) 2 cannot be placed" in plan.reason
     s = state([member("a", 10, rank=2), member("b", 11, rank=0), member("c", 12, rank=1)])
     assert plan_round(s, cfg, now=1000.0, quorum_since=None).seal == ["b", "c", "a"]
+
+
+def test_plan_explicit_seals_the_ranks_before_a_gap_without_a_last_call():
+    # round 1 ran with ranks 0, 1; both came back and d asks for rank 3 (nobody asks for 2):
+    # the round re-seals at once with 0 and 1, and d keeps waiting.
+    cfg = settings(2, 4, rank_policy="explicit", node_rank=0, last_call_timeout=30.0)
+    current = Round(round=1, ranks=["a", "b"], members_index=100)
+    s = state([member("a", 10, 110, rank=0), member("b", 11, 111, rank=1),
+               member("d", 105, rank=3)], current)
+    assert plan_round(s, cfg, now=1000.0, quorum_since=None).seal == ["a", "b"]
 
 
 def test_plan_after_close_marker_without_round_is_a_first_round():
@@ -204,29 +234,80 @@ def test_plan_after_close_marker_without_round_is_a_first_round():
 def test_count_waiting_is_zero_while_everyone_is_in_the_round():
     current = Round(round=1, ranks=["a", "b"], members_index=100)
     s = state([member("a", 10, 90), member("b", 11, 100)], current)
-    assert count_waiting(s, result_of(current), max_nodes=3) == 0
+    assert waiting(s, current, max_nodes=3) == 0
 
 
 def test_count_waiting_counts_gone_participants_even_when_full():
     current = Round(round=1, ranks=["a", "b"], members_index=100)
     s = state([member("a", 10, 90)], current)
-    assert count_waiting(s, result_of(current), max_nodes=2) == 1
+    assert waiting(s, current, max_nodes=2) == 1
 
 
 def test_count_waiting_counts_a_participant_asking_for_a_new_round():
     current = Round(round=1, ranks=["a", "b"], members_index=100)
     s = state([member("a", 10, 90), member("b", 11, 140)], current)
-    assert count_waiting(s, result_of(current), max_nodes=2) == 1
+    assert waiting(s, current, max_nodes=2) == 1
 
 
 def test_count_waiting_ignores_a_spare_beside_a_full_round():
     current = Round(round=1, ranks=["a", "b"], members_index=100)
     members = [member("a", 10, 90), member("b", 11, 95), member("spare", 130)]
-    assert count_waiting(state(members, current), result_of(current), max_nodes=2) == 0
-    assert count_waiting(state(members, current), result_of(current), max_nodes=3) == 1
+    assert waiting(state(members, current), current, max_nodes=2) == 0
+    assert waiting(state(members, current), current, max_nodes=3) == 1
 
 
 def test_count_waiting_gone_participant_makes_room_for_the_spare():
     current = Round(round=1, ranks=["a", "b"], members_index=100)
     members = [member("a", 10, 90), member("spare", 130)]
-    assert count_waiting(state(members, current), result_of(current), max_nodes=2) == 2
+    assert waiting(state(members, current), current, max_nodes=2) == 2
+
+
+def test_count_waiting_explicit_ignores_a_rank_beyond_a_gap_until_the_gap_is_filled():
+    kwargs = {"rank_policy": "explicit", "node_rank": 0}
+    current = Round(round=1, ranks=["a", "b"], members_index=100)
+    running = [member("a", 10, 90, rank=0), member("b", 11, 95, rank=1)]
+    # d asks for rank 3 while nobody asks for 2: it cannot be placed, the round goes on
+    s = state([*running, member("d", 130, rank=3)], current)
+    assert waiting(s, current, max_nodes=4, **kwargs) == 0
+    # c asks for rank 2: now both can be placed
+    s = state([*running, member("d", 130, rank=3), member("c", 140, rank=2)], current)
+    assert waiting(s, current, max_nodes=4, **kwargs) == 2
+    # a second node asking for a rank in use is refused at its join: never counted
+    s = state([*running, member("dup", 150, rank=1)], current)
+    assert waiting(s, current, max_nodes=4, **kwargs) == 0
+
+
+def test_round_broken_names_gone_and_rewritten_participants():
+    views = {"a": MemberView(90), "b": MemberView(140), "x": MemberView(150)}
+    assert round_broken(views, ["a", "b", "c"], 100) == ["b", "c"]
+    assert round_broken(views, ["a"], 100) == []
+
+
+# ----------------------------------------------------------------------------- round size
+
+
+def test_round_size_estimate_bounds_the_real_document():
+    import json
+
+    from consul_rdzv.client import txn_kv
+
+    ids = [f"{'n' * 150}-{i:05d}" for i in range(1000)]
+    hosts = [f"host-{i:04d}.example.internal" for i in range(1000)]
+    doc = Round(round=7, ranks=ids, hosts=hosts, store={"host": "h", "port": 1},
+                members_index=123456, coordinator=ids[0], seal_id="f" * 32, first_join=1e9,
+                quorum_at=1e9, sealed_at=1e9).encode()
+    prefix = "p" * 200
+    ops = [txn_kv("check-session", f"{prefix}/round/leader", session="s" * 36),
+           txn_kv("cas", f"{prefix}/round/current", value=doc, index=999999)]
+    real = len(json.dumps(ops))
+    estimate = round_bytes(1000, max(map(len, ids)), max(map(len, hosts)), len(prefix))
+    assert real <= estimate < real * 1.1
+
+
+def test_largest_world_fits_and_one_more_does_not():
+    for id_len, host_len in ((160, 160), (30, 12), (160, 1)):
+        fits = largest_world(id_len, host_len)
+        assert round_bytes(fits, id_len, host_len) <= MAX_TXN_BYTES
+        assert round_bytes(fits + 2, id_len, host_len) > MAX_TXN_BYTES
+    assert 1100 < largest_world(160, 160) < 1300  # long names: about 1200 nodes
+    assert largest_world(30, 12) > 7000  # the default node ids: far beyond real jobs

@@ -9,25 +9,22 @@ worth reporting are printed with a ``[figure]`` tag (``pytest -s`` shows them).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import json
 import logging
-import os
-import queue
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
-import zlib
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from pathlib import Path
 
 import pytest
+from rdzv_nodes import (
+    HB,
+    Cluster,
+    assert_round_ok,
+    figure,
+    one,
+    ranks_of,
+    stays,
+    wait_for,
+)
 
 from consul_rdzv.errors import (
     RendezvousClosedError,
@@ -36,274 +33,9 @@ from consul_rdzv.errors import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from consul_rdzv.layout import Keys, Leader, Member, Round
-from consul_rdzv.rendezvous import ROUND_WAIT, ConsulRendezvous, RoundResult
+from consul_rdzv.layout import Leader
+from consul_rdzv.rendezvous import ROUND_WAIT, ConsulRendezvous
 from consul_rdzv.settings import RendezvousSettings
-
-NODE_SCRIPT = Path(__file__).with_name("node_process.py")
-ROUND_FIELDS = {f.name for f in dataclasses.fields(RoundResult)}
-#: Heartbeat TTL of the tests that detect dead nodes (the smallest the settings allow is 1 s).
-HB = 2.0
-
-
-def figure(text: str) -> None:
-    print(f"[figure] {text}", flush=True)
-
-
-def endpoint_for(node_id: str) -> dict:
-    """The trainer-store endpoint a test node advertises (same rule in tests/node_process.py)."""
-    return {"host": f"{node_id}.store.test", "port": 20000 + zlib.crc32(node_id.encode()) % 10000}
-
-
-def assert_round_ok(results: Mapping[str, RoundResult], min_nodes: int, max_nodes: int) -> None:
-    """The invariants of one round, from the results its participants got (node id -> result).
-
-    Ranks are exactly 0..W-1, one per participant; every participant agrees on the round number,
-    the world size, the rank map (participants and hosts), the store endpoint and the seal; the
-    store is rank 0's endpoint; min_nodes <= W <= max_nodes; and exactly the participants got it.
-    """
-    assert results, "no results"
-    first = next(iter(results.values()))
-    world = first.world_size
-    assert min_nodes <= world <= max_nodes, (world, min_nodes, max_nodes)
-    assert len(first.participants) == world == len(set(first.participants)), first.participants
-    assert set(results) == set(first.participants), (sorted(results), first.participants)
-    assert sorted(r.rank for r in results.values()) == list(range(world))
-    shared = ("run_id", "round", "world_size", "participants", "hosts", "store", "coordinator",
-              "seal_id", "members_index")
-    for node_id, result in results.items():
-        for name in shared:
-            assert getattr(result, name) == getattr(first, name), (node_id, name, result, first)
-        assert result.participants[result.rank] == node_id, (node_id, result.rank, result)
-    assert len(first.hosts) == world
-    assert first.round >= 1
-    assert first.store == endpoint_for(first.participants[0]), first.store
-    assert first.coordinator, first
-
-
-def ranks_of(results: Mapping[str, RoundResult]) -> dict[str, int]:
-    return {node: r.rank for node, r in results.items()}
-
-
-def one(results: Mapping[str, RoundResult]) -> RoundResult:
-    return next(iter(results.values()))
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str,
-             interval: float = 0.01) -> object:
-    """Poll ``predicate`` until it is truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"still false after {timeout:g}s: {what}")
-        time.sleep(interval)
-
-
-def stays(predicate: Callable[[], bool], window: float, what: str) -> None:
-    """Assert ``predicate`` holds throughout an observation window (for negative claims)."""
-    end = time.monotonic() + window
-    while time.monotonic() < end:
-        assert predicate(), what
-        time.sleep(0.005)
-
-
-class RoundRecorder(threading.Thread):
-    """Watches ``P/round/current`` and records every (round number, seal id) it ever holds."""
-
-    def __init__(self, agent, keys: Keys) -> None:
-        super().__init__(name="round-recorder", daemon=True)
-        self.client = agent.client()
-        self.keys = keys
-        self.seals: dict[int, set[str]] = {}
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        index = 0
-        while not self._stop_event.is_set():
-            try:
-                res = self.client.kv_get(self.keys.round, index=index or None, wait=0.2,
-                                         deadline=time.monotonic() + 0.2)
-            except Exception:  # agent down or restarting: keep watching
-                time.sleep(0.05)
-                continue
-            index = 0 if res.index < index else res.index
-            if res.data is not None:
-                with contextlib.suppress(RendezvousStateError):
-                    current = Round.decode(res.data)
-                    if current.ranks:
-                        self.seals.setdefault(current.round, set()).add(current.seal_id)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(5)
-        self.client.close()
-
-    def assert_sealed_once(self) -> None:
-        twice = {n: ids for n, ids in self.seals.items() if len(ids) > 1}
-        assert not twice, f"round(s) sealed more than once: {twice}"
-
-
-class NodeProcess:
-    """tests/node_process.py as a child process; its JSON lines arrive on a queue."""
-
-    def __init__(self, agent, log_dir: Path, node_id: str, *, run_id: str, key_prefix: str,
-                 min_nodes: int, max_nodes: int, heartbeat: float = HB, last_call: float = 0.3,
-                 join_timeout: float = 60.0, consul_timeout: float = 10.0) -> None:
-        self.node_id = node_id
-        self.log_path = log_dir / f"{node_id}.stderr.log"
-        cmd = [sys.executable, str(NODE_SCRIPT), "--run-id", run_id, "--key-prefix", key_prefix,
-               "--node-id", node_id, "--min", str(min_nodes), "--max", str(max_nodes),
-               "--heartbeat", str(heartbeat), "--last-call", str(last_call),
-               "--join-timeout", str(join_timeout), "--consul-timeout", str(consul_timeout)]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                env={**os.environ, **agent.env()}, start_new_session=True,
-            )
-        self.events: queue.Queue = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.events.put(json.loads(line))
-        self.events.put(None)
-
-    def log_tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")[-3000:]
-        return ""
-
-    def event(self, timeout: float) -> dict | None:
-        try:
-            return self.events.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"process {self.node_id} printed nothing in {timeout:g}s; "
-                                 f"its log:\n{self.log_tail()}") from None
-
-    def result(self, timeout: float) -> RoundResult:
-        event = self.event(timeout)
-        assert event is not None and event["event"] == "round", (
-            f"process {self.node_id}: {event}\n{self.log_tail()}")
-        return RoundResult(**{k: v for k, v in event.items() if k in ROUND_FIELDS})
-
-    def send(self, command: str) -> None:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-class Cluster:
-    """The nodes of one test's run: settings, threads, processes and cleanup."""
-
-    def __init__(self, agent, prefix: str, log_dir: Path) -> None:
-        self.agent = agent
-        self.prefix = prefix
-        self.run_id = f"run-{prefix}"  # unique per test: service ids are per agent, not prefix
-        self.log_dir = log_dir
-        self.admin = agent.client()
-        self.keys = Keys(f"{prefix}/{self.run_id}")
-        self.nodes: list[ConsulRendezvous] = []
-        self.processes: list[NodeProcess] = []
-        self.pool = ThreadPoolExecutor(max_workers=96, thread_name_prefix="node")
-        self.futures: list[Future] = []
-        self.recorder = RoundRecorder(agent, self.keys)
-        self.recorder.start()
-
-    def settings(self, **changes) -> RendezvousSettings:
-        values = dict(run_id=self.run_id, key_prefix=self.prefix, heartbeat_timeout=HB,
-                      join_timeout=30.0, last_call_timeout=0.3, close_timeout=3.0,
-                      consul_timeout=10.0)
-        values.update(changes)
-        return RendezvousSettings(**values)
-
-    def node(self, node_id: str, settings: RendezvousSettings, *, host: str | None = None,
-             client=None) -> ConsulRendezvous:
-        node = ConsulRendezvous(settings, client, node_id=node_id, host=host or node_id,
-                                endpoint_provider=lambda: endpoint_for(node_id))
-        self.nodes.append(node)
-        return node
-
-    def process(self, node_id: str, **kwargs) -> NodeProcess:
-        proc = NodeProcess(self.agent, self.log_dir, node_id, run_id=self.run_id,
-                           key_prefix=self.prefix, **kwargs)
-        self.processes.append(proc)
-        return proc
-
-    # -------------------------------------------------------------- running rounds
-
-    def start(self, nodes: Iterable[ConsulRendezvous]) -> dict[str, Future]:
-        futures = {n.node_id: self.pool.submit(n.next_round) for n in nodes}
-        self.futures.extend(futures.values())
-        return futures
-
-    @staticmethod
-    def gather(futures: Mapping[str, Future], timeout: float) -> dict[str, RoundResult]:
-        deadline = time.monotonic() + timeout
-        results = {}
-        for node_id, future in futures.items():
-            try:
-                results[node_id] = future.result(max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                pending = sorted(n for n, f in futures.items() if not f.done())
-                raise AssertionError(f"next_round() still running after {timeout:g}s on "
-                                     f"{pending}") from None
-        return results
-
-    def rounds(self, nodes: Iterable[ConsulRendezvous], timeout: float) -> dict[str, RoundResult]:
-        return self.gather(self.start(nodes), timeout)
-
-    # -------------------------------------------------------------- Consul views
-
-    def members(self) -> dict[str, Member]:
-        entries = self.admin.kv_list(self.keys.members).data
-        return {e.key[len(self.keys.members):]: Member.decode(e) for e in entries}
-
-    def leader(self) -> Leader | None:
-        entry = self.admin.kv_get(self.keys.leader).data
-        return Leader.decode(entry) if entry is not None and entry.session else None
-
-    def current_round(self) -> Round | None:
-        entry = self.admin.kv_get(self.keys.round).data
-        return Round.decode(entry) if entry is not None else None
-
-    def keys_held_by(self, session: str) -> list[str]:
-        return [e.key for e in self.admin.kv_list(self.prefix + "/").data if e.session == session]
-
-    # -------------------------------------------------------------- cleanup
-
-    def shutdown(self) -> None:
-        for proc in self.processes:
-            proc.kill()
-        if self.nodes and any(not f.done() for f in self.futures):
-            # something still waits (the test failed): close the run so it returns now
-            with contextlib.suppress(Exception):
-                self.nodes[0].close("test teardown")
-        leaving = [self.pool.submit(node.leave) for node in self.nodes]
-        for future in leaving:
-            with contextlib.suppress(Exception):
-                future.result(timeout=30)
-        for node in self.nodes:
-            node.client.close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.recorder.stop()
-        self.admin.close()
 
 
 @pytest.fixture
@@ -599,16 +331,16 @@ def test_session_destroyed_from_outside_while_training(cluster, caplog):
     # The service and its check outlived the session: the new session needs no new service
     # registration (the agent serialises those), only the check passed.
     joins: list[str] = []
-    original = a._register_service
+    original = a.client.agent_service_register
 
-    def spy(deadline, _orig=original):
-        if not threading.current_thread().name.startswith("consul-rdzv-heartbeat"):
+    def spy(*args, _orig=original, **kwargs):
+        if not threading.current_thread().name.startswith("consul-rdzv-keep"):
             joins.append(threading.current_thread().name)  # not the async meta publish
-        return _orig(deadline)
+        return _orig(*args, **kwargs)
 
-    a._register_service = spy
+    a.client.agent_service_register = spy
     caplog.clear()
-    with caplog.at_level(logging.DEBUG, logger="consul_rdzv.rendezvous"):
+    with caplog.at_level(logging.DEBUG, logger="consul_rdzv.registration"):
         second = cluster.rounds([a, b], timeout=20)
     assert_round_ok(second, 2, 2)
     assert one(second).round == 2
@@ -639,29 +371,42 @@ def test_training_heartbeat_passes_the_check_without_probing_the_session(cluster
     assert a.num_nodes_waiting() == 0
 
 
-def test_training_watch_reads_key_names_on_a_death_and_values_on_a_rejoin(cluster):
+def test_training_watch_reads_key_names_on_a_death_and_stops_once_the_round_is_over(cluster):
     # At scale every survivor's watch wakes when one node dies: the names of the member keys
-    # tell it, without reading (and decoding) every member's value.
+    # tell it, without reading (and decoding) every member's value. Once a round is over the
+    # watch stops: reading on would cost every node a request per re-announcement.
     settings = cluster.settings(min_nodes=2, max_nodes=3)
     a, b, c = (cluster.node(i, settings) for i in "abc")
     assert_round_ok(cluster.rounds([a, b, c], timeout=20), 2, 3)
     full_reads: dict[str, int] = {"a": 0, "b": 0}
+    keys_queries: dict[str, int] = {"a": 0, "b": 0}
     for node in (a, b):
         def spy(*args, _id=node.node_id, _orig=node.client.kv_list, **kwargs):
             full_reads[_id] += 1
             return _orig(*args, **kwargs)
+
+        def keys_spy(*args, _id=node.node_id, _orig=node.client.kv_keys_query, **kwargs):
+            keys_queries[_id] += 1
+            return _orig(*args, **kwargs)
         node.client.kv_list = spy
+        node.client.kv_keys_query = keys_spy
 
     cluster.admin.session_destroy(c.session_id)  # c's member key goes with its session
     wait_for(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1, 5,
              "a and b see c gone")
     assert full_reads == {"a": 0, "b": 0}
+    for node in (a, b):
+        reason = node.wait_round_broken(5)
+        assert reason is not None and "gone: c" in reason, reason
+    queries = dict(keys_queries)
 
-    # a asks for a new round: its key is rewritten under the same name, which only the values
-    # (ModifyIndex) show; b reads them and counts c gone plus a waiting.
+    # a asks for a new round: b's watch has ended, so a's rewrite costs b nothing
     pending = cluster.start([a])
-    wait_for(lambda: b.num_nodes_waiting() == 2, 5, "b sees a waiting for a new round")
-    assert full_reads["b"] >= 1
+    wait_for(lambda: "a" in cluster.members() and cluster.members()["a"].modify_index
+             > one({"x": a.current_round}).members_index, 5, "a re-announced")
+    stays(lambda: keys_queries["b"] == queries["b"] and full_reads["b"] == 0, 0.5,
+          "b's watch, which ended, still read the members")
+    assert b.num_nodes_waiting() == 1
     second = cluster.gather({**pending, **cluster.start([b])}, timeout=20)
     assert_round_ok(second, 2, 3)
     assert one(second).world_size == 2 and one(second).round == 2
@@ -798,7 +543,7 @@ def test_corrupt_or_foreign_values_are_refused(cluster, key, value):
 # ============================================================================ 10. closed runs
 
 
-def test_close_releases_every_waiter_and_refuses_joiners(cluster):
+def test_close_releases_every_waiter_and_the_run_opens_again_once_they_are_gone(cluster):
     settings = cluster.settings(min_nodes=3, max_nodes=3)
     a, b, closer, late = (cluster.node(i, settings) for i in ("a", "b", "closer", "late"))
     pending = cluster.start([a, b])
@@ -814,14 +559,61 @@ def test_close_releases_every_waiter_and_refuses_joiners(cluster):
     took = time.monotonic() - started
     assert took < 3, f"waiters released {took:.2f}s after close()"
     assert not cluster.members(), "closed waiters withdraw their member keys"
-
-    started = time.monotonic()
-    with pytest.raises(RendezvousClosedError):
-        cluster.rounds([late], timeout=10)
-    assert time.monotonic() - started < 2
     assert all(n.is_closed() for n in (a, b, closer, late))
-    assert not cluster.members()
+
+    # Nobody of the closed job is left: a joiner starts a new job on the run id (a re-run).
+    reopened = cluster.start([late])
+    wait_for(lambda: "late" in cluster.members() and not closer.is_closed(), 5,
+             "the late joiner reopened the run and waits for a new round")
+    assert not reopened["late"].done()
     figure(f"close(): waiters got RendezvousClosedError after {took * 1000:.0f}ms")
+
+
+def test_closed_run_refuses_joiners_while_a_node_of_its_job_is_alive(cluster):
+    """The finished job's nodes close the run; a straggler is refused while any of them lives;
+    the last one to leave removes the closed marker and the run id is usable again."""
+    settings = cluster.settings(min_nodes=2, max_nodes=2)
+    a, b = cluster.node("a", settings), cluster.node("b", settings)
+    first = cluster.rounds([a, b], timeout=20)
+    assert_round_ok(first, 2, 2)
+    assert a.close_if_current(first["a"], "job finished")
+    assert b.close_if_current(first["b"], "job finished"), "already closed counts as closed"
+    assert a.leave()
+
+    straggler = cluster.node("straggler", settings)
+    with pytest.raises(RendezvousClosedError) as info:
+        cluster.rounds([straggler], timeout=10)
+    assert "job finished" in str(info.value)
+    assert "1 node(s) of that job are still alive (b)" in str(info.value), str(info.value)
+    assert "straggler" not in cluster.members()
+
+    assert b.leave()  # the last member: the closed marker goes with it
+    assert cluster.current_round() is None, "the closed marker of an ended job stayed"
+    assert not cluster.admin.kv_keys(cluster.keys.prefix + "/"), "keys of an ended job stayed"
+
+    again = [cluster.node(f"new-{i}", settings) for i in range(2)]
+    second = cluster.rounds(again, timeout=20)
+    assert_round_ok(second, 2, 2)
+    assert one(second).round == 1
+
+
+def test_closed_run_whose_nodes_all_died_opens_again_for_a_new_job(cluster):
+    """The closed marker stays when the job's last node dies instead of leaving: the next
+    joiner finds no live node of that job and reopens the run."""
+    settings = cluster.settings(min_nodes=1, max_nodes=1)
+    victim = cluster.process("victim", min_nodes=1, max_nodes=1, heartbeat=HB)
+    first = victim.result(timeout=20)
+    closer = cluster.node("closer", settings)
+    closer.close("the job failed")
+    victim.kill()
+    wait_for(lambda: "victim" not in cluster.members(), HB + 5, "the dead node's key is gone")
+    assert closer.is_closed()
+    late = cluster.node("late", settings)
+    result = one(cluster.rounds([late], timeout=20))
+    assert result.participants == ["late"]
+    assert result.round == 1, "a new job counts its rounds from 1"
+    assert first.round == 1
+    assert not late.is_closed()
 
 
 def test_leave_never_closes_the_run(cluster):
@@ -1015,10 +807,11 @@ def test_session_is_created_if_the_check_went_critical_before_it(agent, prefix):
     """A slow agent can let the fresh TTL check expire before the session request is served."""
     settings = RendezvousSettings(run_id="slow-agent", key_prefix=prefix, heartbeat_timeout=2)
     node = ConsulRendezvous(settings, agent.client(), node_id="slow")
-    node._register_service(time.monotonic() + 10)
+    registration = node.registration
+    node.client.agent_service_register(registration.definition())
     node.client.agent_check_update(node.check_id, "fail")
     try:
-        session = node._create_session(time.monotonic() + 10)
+        session = registration._create_session(time.monotonic() + 10)
         info = node.client.session_info(session)
         assert info is not None
         assert [c["ID"] for c in info.get("ServiceChecks") or []] == [node.check_id]

@@ -87,6 +87,8 @@ def test_bad_key_prefix(prefix):
     ({"join_timeout": "600"}, "join_timeout"),
     ({"heartbeat_timeout": 0.5}, "heartbeat_timeout"),
     ({"heartbeat_timeout": 5, "keep_alive_interval": 5}, "keep_alive_interval"),
+    ({"heartbeat_timeout": 5, "keep_alive_interval": 2.6}, "at most half of heartbeat_timeout"),
+    ({"read_timeout": 0}, "read_timeout"),
     ({"keep_alive_interval": 0}, "keep_alive_interval"),
     ({"rank_policy": "random"}, "rank_policy"),
     ({"rank_policy": "topology"}, "topology_keys"),
@@ -116,12 +118,16 @@ def test_good_policies():
 def test_conf_strings_are_parsed():
     conf = {"join_timeout": "120", "last_call_timeout": "2.5", "close_timeout": "7",
             "heartbeat_timeout": "3", "keep_alive_interval": "0.5", "consul_timeout": "4",
-            "key_prefix": "jobs/team-a", "service_name": "trainers", "rank_policy": "topology",
+            "read_timeout": "45", "key_prefix": "jobs/team-a", "service_name": "trainers",
+            "rank_policy": "topology",
             "topology_keys": "zone:rack", "node_meta": "zone=a;rack=r1 gpu=h100"}
     s = settings_from_conf("job", 2, 8, conf)
     assert (s.min_nodes, s.max_nodes) == (2, 8)
     assert (s.join_timeout, s.last_call_timeout, s.close_timeout) == (120.0, 2.5, 7.0)
     assert (s.heartbeat_timeout, s.keep_alive_interval, s.consul_timeout) == (3.0, 0.5, 4.0)
+    assert s.read_timeout == 45.0
+    assert make().read_timeout == 60.0  # c10d's default
+    assert make(heartbeat_timeout=5, keep_alive_interval=2.5).heartbeat_interval == 2.5
     assert (s.key_prefix, s.service_name, s.rank_policy) == ("jobs/team-a", "trainers",
                                                              "topology")
     assert s.topology_keys == ("zone", "rack")

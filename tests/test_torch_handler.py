@@ -129,13 +129,25 @@ def test_entry_point_is_found_and_torch_registry_builds_our_handler(agent, prefi
     eps = importlib.metadata.entry_points(group="torchrun.handlers")
     assert "consul" in eps.names
     assert eps["consul"].value == "consul_rdzv.torch:handler_factory"
-    assert eps["consul"].load()() is consul_torch.create_handler
+    assert callable(eps["consul"].load()())
     # torch only logs a warning for a plugin that fails to load: the type is the real check.
     handler = make_handler(agent.address, run_id, prefix)
     assert type(handler) is ConsulRendezvousHandler
     assert handler.get_backend() == "consul"
     assert handler.use_agent_store is True
     assert handler.get_run_id() == run_id
+
+
+def test_importing_the_adapter_before_torchs_registry_still_registers_it():
+    # torch's rendezvous package loads its registry, which loads our entry point, while
+    # consul_rdzv.torch is still being imported: handler_factory must exist by then.
+    code = ("import consul_rdzv.torch; "
+            "from torch.distributed.elastic.rendezvous import registry; "
+            "assert 'consul' in registry.handler_registry._registry")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Exception while registering" not in proc.stderr, proc.stderr
 
 
 def test_importing_the_package_does_not_import_torch():
@@ -246,10 +258,13 @@ def test_set_closed_wakes_a_waiting_node_and_refuses_later_ones(agent, prefix, r
     with pytest.raises(RendezvousClosedError, match=run_id):
         future.result(timeout=15)
     assert time.monotonic() - started < 5, "the waiting node did not notice the close promptly"
+    # The waiter withdrew: no node of the closed job is left, so a later node starts a new
+    # job on the run id (it waits for a partner, here until its short join_timeout).
     later = make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=2,
-                         node_id="later")
-    with pytest.raises(RendezvousClosedError, match=run_id):
+                         node_id="later", join_timeout="1")
+    with pytest.raises(RendezvousTimeoutError, match="1 of min_nodes 2"):
         later.next_rendezvous()
+    assert later.is_closed() is False
 
 
 def test_shutdown_closes_the_run_and_deregisters_the_node(agent, prefix, run_id, make_handler,
@@ -295,7 +310,7 @@ def test_dead_endpoint_fails_fast_with_the_address_and_shuts_down_fast(prefix, r
         handler.next_rendezvous()
     assert time.monotonic() - started < 8
     started = time.monotonic()
-    assert handler.shutdown() is False
+    assert handler.shutdown() is True  # never registered, never in a round: nothing to undo
     took = time.monotonic() - started
     assert took < consul_torch.SHUTDOWN_AFTER_CONSUL_FAILURE + 1.5, \
         f"shutdown() after an unreachable Consul took {took:.1f}s"
@@ -369,6 +384,7 @@ def _settings(agent, prefix, **conf):
     params = make_params(agent.address, "conf-run", prefix, fast=False, **conf)
     handler = get_rendezvous_handler(params)
     assert type(handler) is ConsulRendezvousHandler
+    handler.rendezvous.leave(timeout=3)  # it registered at creation
     return handler.rendezvous.settings
 
 
@@ -419,13 +435,12 @@ def test_endpoint_forms(agent, prefix, run_id, make_handler, monkeypatch, form):
 
 
 def test_node_joins_next_round_if_rank0_store_never_comes_up(agent, prefix, run_id, make_handler,
-                                                            pool, monkeypatch):
+                                                            pool):
     """Rank 0 dies between the seal and starting its store: the others must not hang on it."""
     from consul_rdzv.rendezvous import ConsulRendezvous
     from consul_rdzv.settings import RendezvousSettings
     from consul_rdzv.testing import free_port
 
-    monkeypatch.setattr(consul_torch, "STORE_CONNECT_TIMEOUT", 2.0)
     dead_port = free_port()  # nothing listens here: rank 0 "died" before starting its store
     ghost = ConsulRendezvous(
         RendezvousSettings(run_id=run_id, key_prefix=prefix, min_nodes=1, max_nodes=2,
@@ -446,3 +461,142 @@ def test_node_joins_next_round_if_rank0_store_never_comes_up(agent, prefix, run_
     assert (info.rank, info.world_size) == (0, 1)
     assert info.result.round > ghost_round.round
     assert endpoint_of(info) != ("127.0.0.1", dead_port)
+
+
+# ----------------------------------------------------------------------------- meeting at the store
+
+
+def _ghost(agent, tmp_path, prefix, run_id, node_id, *, min_nodes, max_nodes, store_port):
+    """A real node process (no torch) that never serves or reaches a trainer store."""
+    from rdzv_nodes import NodeProcess
+
+    return NodeProcess(agent, tmp_path, node_id, run_id=run_id, key_prefix=prefix,
+                       min_nodes=min_nodes, max_nodes=max_nodes, heartbeat=2.0,
+                       store_port=store_port)
+
+
+def test_rank0_dead_right_after_the_seal_sends_everyone_to_the_next_round(
+        agent, prefix, run_id, make_handler, pool, tmp_path):
+    """Rank 0 is SIGKILLed right after the seal, before it serves its store: the others stop
+    connecting to it as soon as Consul drops it (check TTL 2 s), not after read_timeout (60 s)."""
+    from consul_rdzv.testing import free_port
+
+    ghost = _ghost(agent, tmp_path, prefix, run_id, "a-ghost", min_nodes=3, max_nodes=3,
+                   store_port=free_port())
+    try:
+        consul = agent.client()
+        wait_until(lambda: consul.kv_keys(f"{prefix}/{run_id}/members/"), 15,
+                   "the ghost announced itself first (rank 0 by join order)")
+        handlers = [make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=3,
+                                 node_id=f"node-{i}") for i in range(2)]
+        futures = [pool.submit(h.next_rendezvous) for h in handlers]
+        assert ghost.result(timeout=30).rank == 0
+        ghost.kill()
+        killed = time.monotonic()
+        infos = [f.result(timeout=60) for f in futures]
+        took = time.monotonic() - killed
+    finally:
+        ghost.kill()
+    assert sorted(i.rank for i in infos) == [0, 1] and {i.world_size for i in infos} == {2}
+    assert infos[0].result.round == 2
+    assert_one_live_store(infos, "after-dead-rank0")
+    assert took < 2 + 8, f"the others sat {took:.1f}s on a dead rank 0's store"
+    print(f"[figure] rank 0 killed after the seal: the others were in the next round "
+          f"{took:.2f}s later (heartbeat_timeout 2 s, read_timeout 60 s)")
+
+
+@pytest.mark.parametrize("fate", ["hangs", "dies"])
+def test_member_that_never_checks_in_is_bounded_by_read_timeout_or_its_death(
+        agent, prefix, run_id, make_handler, pool, tmp_path, fate):
+    """A member of the round never reaches the trainer store. If it hangs (alive in Consul),
+    the others give up after read_timeout with an error naming it; if it dies, they meet in
+    the next round as soon as Consul drops it."""
+    read_timeout = "3" if fate == "hangs" else "60"
+    handlers = [make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=3,
+                             node_id=f"node-{i}", read_timeout=read_timeout)
+                for i in range(2)]
+    futures = [pool.submit(h.next_rendezvous) for h in handlers]
+    consul = agent.client()
+    wait_until(lambda: len(consul.kv_keys(f"{prefix}/{run_id}/members/")) == 2, 15,
+               "both handlers announced (rank 0 is one of them)")
+    ghost = _ghost(agent, tmp_path, prefix, run_id, "z-ghost", min_nodes=3, max_nodes=3,
+                   store_port=1)
+    try:
+        assert ghost.result(timeout=30).world_size == 3
+        started = time.monotonic()
+        if fate == "hangs":
+            for future in futures:
+                with pytest.raises(RendezvousTimeoutError) as info:
+                    future.result(timeout=30)
+                assert "z-ghost" in str(info.value) and "read_timeout (3s)" in str(info.value)
+            took = time.monotonic() - started
+            assert 2.5 < took < 3 + 5, took
+            assert handlers[0].is_closed() is False
+        else:
+            ghost.kill()
+            infos = [f.result(timeout=60) for f in futures]
+            took = time.monotonic() - started
+            assert {i.world_size for i in infos} == {2}
+            assert took < 2 + 8, f"the others waited {took:.1f}s for a dead member"
+    finally:
+        ghost.kill()
+    print(f"[figure] a member that never checks in and {fate}: the others moved on after "
+          f"{took:.2f}s (read_timeout {read_timeout} s)")
+
+
+# ----------------------------------------------------------------------------- request budget
+
+
+def _http_requests(agent) -> tuple[int, int]:
+    """Consul's own count of the HTTP requests it served (``consul_api_http_count``): the
+    TTL check passes (a cost per second, not per round) and all the others."""
+    client = agent.client()
+    try:
+        text = client._call("GET", "/v1/agent/metrics",
+                            params={"format": "prometheus"}).text
+    finally:
+        client.close()
+    passes = others = 0
+    for line in text.splitlines():
+        if line.startswith("consul_api_http_count{") and "v1_agent_metrics" not in line:
+            count = int(float(line.rsplit(" ", 1)[1]))
+            if "v1_agent_check_pass" in line:
+                passes += count
+            else:
+                others += count
+    return passes, others
+
+
+@pytest.mark.timeout(300)
+def test_back_to_back_rounds_stay_within_the_request_budget(fresh_agent, prefix, run_id,
+                                                            make_handler):
+    """N=32 handlers from torch's registry, all re-rendezvousing at once three times: at most
+    6 Consul requests per node and round after the first, counted by Consul itself. The TTL
+    check passes are a cost per second (one per keep_alive_interval), counted apart."""
+    n, rounds = 32, 3
+    handlers = [make_handler(fresh_agent.address, run_id, prefix, min_nodes=n, max_nodes=n,
+                             node_id=f"node-{i:02d}", join_timeout="60")
+                for i in range(n)]
+    interval = handlers[0].rendezvous.settings.heartbeat_interval
+    with ThreadPoolExecutor(max_workers=n) as executor:
+        rendezvous_all(executor, handlers, timeout=60)
+        time.sleep(2)  # let the first round's meta publishes land (they are first-round cost)
+        passes_before, before = _http_requests(fresh_agent)
+        started = time.monotonic()
+        took = []
+        for _ in range(rounds):
+            round_started = time.monotonic()
+            infos = rendezvous_all(executor, handlers, timeout=60)
+            took.append(time.monotonic() - round_started)
+            assert sorted(i.rank for i in infos) == list(range(n))
+        time.sleep(2)  # and the last round's
+        passes_after, after = _http_requests(fresh_agent)
+        elapsed = time.monotonic() - started
+    per_node_round = (after - before) / (n * rounds)
+    pass_rate = (passes_after - passes_before) / (n * elapsed)
+    print(f"[figure] N={n} back-to-back rounds via torch's registry: "
+          f"{per_node_round:.2f} Consul requests per node per round besides check passes, and "
+          f"{pass_rate:.2f} check passes per node per second (consul_api_http_count); rounds "
+          f"took {', '.join(f'{t:.3f}s' for t in took)}")
+    assert per_node_round <= 6, per_node_round
+    assert pass_rate <= 1.2 / interval, pass_rate

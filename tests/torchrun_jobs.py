@@ -50,8 +50,16 @@ class Agent:
 
     def kill(self) -> None:
         """SIGKILL the agent and its workers (its whole process group), no goodbye."""
+        self.signal(signal.SIGKILL, group=True)
+
+    def signal(self, sig: int, *, group: bool = False) -> None:
+        """Send ``sig`` to the agent, or to its whole process group (agent and workers, as a
+        Ctrl-C in a terminal does)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                os.kill(self.proc.pid, sig)
 
 
 class TorchrunJob:

@@ -1,0 +1,118 @@
+"""A small HTTP proxy in front of a real Consul agent, for fault injection in tests.
+
+    proxy = ConsulProxy(agent.url).start()      # nodes talk to proxy.address
+    proxy.delay_server_rpcs(6.0)                 # every request that needs a Consul server
+    proxy.black_hole()                           # accept, never answer (a node cut off)
+    proxy.heal()
+
+Requests are forwarded as they are (method, path, query, headers, body; blocking queries
+included). ``/v1/agent/...`` requests are answered by the agent itself; every other endpoint we
+use (KV, txn, sessions, health, catalog) is a server RPC, which a slow or electing cluster
+delays. A black-holed proxy keeps accepting connections and reading requests but never answers,
+which is what a node sees when its network path to Consul breaks.
+"""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+import time
+from collections import Counter
+
+import urllib3
+
+from consul_rdzv.testing import free_port
+
+_HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
+
+
+class ConsulProxy:
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.server_delay = 0.0
+        self.counts: Counter[str] = Counter()
+        self._healed = threading.Event()
+        self._healed.set()
+        self._pool = urllib3.PoolManager(maxsize=256, retries=False)
+        self._server: http.server.ThreadingHTTPServer | None = None
+
+    # ------------------------------------------------------------------ faults
+
+    def delay_server_rpcs(self, seconds: float) -> None:
+        self.server_delay = seconds
+
+    def black_hole(self) -> None:
+        self._healed.clear()
+
+    def heal(self) -> None:
+        self.server_delay = 0.0
+        self._healed.set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> ConsulProxy:
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                proxy._healed.wait()  # black-holed: hold the request (and the connection)
+                path = self.path
+                proxy.counts[f"{self.command} {path.split('?')[0]}"] += 1
+                if not path.startswith("/v1/agent/") and proxy.server_delay:
+                    time.sleep(proxy.server_delay)
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in _HOP_HEADERS}
+                try:
+                    answer = proxy._pool.urlopen(
+                        self.command, proxy.upstream + path, body=body, headers=headers,
+                        redirect=False, preload_content=True,
+                        timeout=urllib3.Timeout(connect=5, read=400))
+                except urllib3.exceptions.HTTPError as exc:
+                    self.send_error(502, f"proxy: {exc}")
+                    return
+                self.send_response(answer.status)
+                for key, value in answer.headers.items():
+                    if key.lower() not in _HOP_HEADERS:
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(answer.data)))
+                self.end_headers()
+                self.wfile.write(answer.data)
+
+            do_GET = do_PUT = do_DELETE = do_POST = _forward
+
+            def log_message(self, *args) -> None:
+                pass
+
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+            def handle_error(self, request, client_address) -> None:
+                pass  # a client that went away mid-request is not the test's business
+
+        self._server = Server(("127.0.0.1", self.port), Handler)
+        self._server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        threading.Thread(target=self._server.serve_forever, daemon=True,
+                         name=f"consul-proxy-{self.port}").start()
+        return self
+
+    def close(self) -> None:
+        self._healed.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        self._pool.clear()
+
+    def __enter__(self) -> ConsulProxy:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
