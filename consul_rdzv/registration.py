@@ -80,12 +80,14 @@ class Registration:
     """
 
     def __init__(self, client: ConsulClient, settings: RendezvousSettings, *, node_id: str,
-                 host: str, incarnation: Incarnation,
+                 host: str, incarnation: Incarnation, address: str | None = None,
                  on_lost: Callable[[str], None] | None = None) -> None:
         self.client = client
         self.settings = settings
         self.node_id = node_id
         self.host = host
+        #: The service instance's Address: where this node is reached (its trainer store).
+        self.address = address or host
         self.incarnation = incarnation
         self.service_id = f"{settings.run_id}-{node_id}"
         self.check_id = f"{self.service_id}:ttl:{incarnation.id[:8]}"
@@ -100,8 +102,9 @@ class Registration:
         self._closed = False
         self._meta: dict[str, str] = {"state": "joining"}
         self._meta_due: float | None = None
-        self._published: dict[str, str] | None = None
-        self._note = ""
+        self._published: dict | None = None
+        self._note = "joining"
+        self._port: int | None = None
         self._last_pass = 0.0
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -143,26 +146,39 @@ class Registration:
     # ------------------------------------------------------------------ registering
 
     def definition(self) -> dict:
-        """The service registration: instance, meta and the TTL check (registered passing)."""
+        """The service registration: instance, meta, tags and the TTL check (registered passing).
+
+        What an operator filters on in the Consul UI: the tags ``consul-rdzv``, ``run-<id>``,
+        ``state-<state>`` and ``rank-<rank>``; the meta; the check's notes ("round 5 · rank 3/8 ·
+        training"), which a re-registration syncs to the catalog at once (a TTL check's output
+        alone reaches the catalog only after the agent's check_update_interval, 5 min).
+        """
         meta = {"run_id": self.settings.run_id, "node_id": self.node_id[:512],
                 "host": self.host[:512], "pid": str(os.getpid()),
                 "incarnation": self.incarnation.id, "started": f"{self.incarnation.started:.6f}",
                 **self._meta}
         meta.update({k: str(v) for k, v in self.settings.node_meta.items()})
-        return {
+        tags = ["consul-rdzv", f"run-{self.settings.run_id}", f"state-{meta['state']}"]
+        if "rank" in self._meta:
+            tags.append(f"rank-{self._meta['rank']}")
+        definition = {
             "ID": self.service_id,
             "Name": self.settings.service,
-            "Address": self.host,
-            "Tags": ["consul-rdzv", f"run-{self.settings.run_id}"],
+            "Address": self.address,
+            "Tags": tags,
             "Meta": meta,
             "Check": {
                 "CheckID": self.check_id,
                 "Name": f"consul-rdzv heartbeat of {self.node_id}",
+                "Notes": self._note,
                 "TTL": f"{self.settings.heartbeat_timeout:g}s",
                 "Status": "passing",
                 "DeregisterCriticalServiceAfter": DEREGISTER_CRITICAL_AFTER,
             },
         }
+        if self._port:
+            definition["Port"] = self._port
+        return definition
 
     def ensure(self, deadline: float) -> str:
         """A live session bound to our passing check: the current one, or a new one.
@@ -174,10 +190,10 @@ class Registration:
         old = self._session
         if old is not None and not self._lost.is_set():
             return old
-        self._meta = {"state": "joining"}
+        self._meta, self._note, self._port = {"state": "joining"}, "joining", None
         if old is None or not self._check_still_registered(deadline):
             self.client.agent_service_register(self.definition(), deadline=deadline)
-            self._published = dict(self._meta)
+            self._published = self._shown()
             self._last_pass = time.monotonic()  # registered passing
         if not self._threads:
             # Pass the check from now on: a session create is a server RPC, and a slow server
@@ -255,12 +271,18 @@ class Registration:
 
     # ------------------------------------------------------------------ what an operator sees
 
-    def publish(self, meta: dict[str, str], delay: float = 0.0, note: str = "") -> None:
-        """Show ``meta`` in the service instance ``delay`` seconds from now (second thread)."""
+    def publish(self, meta: dict[str, str], *, delay: float = 0.0, note: str = "",
+                port: int | None = None) -> None:
+        """Show ``meta`` (and the check ``note``, and ``port``: the trainer store this node
+        hosts, if any) in the service instance ``delay`` seconds from now (keep thread)."""
         self._meta = dict(meta)
         self._note = note
+        self._port = port
         self._meta_due = time.monotonic() + delay
         self._wake.set()
+
+    def _shown(self) -> dict:
+        return {"meta": dict(self._meta), "note": self._note, "port": self._port}
 
     # ------------------------------------------------------------------ leaving
 
@@ -378,14 +400,14 @@ class Registration:
             logger.debug("Node %s could not probe its session: %s", self.node_id, exc)
 
     def _publish_now(self) -> None:
-        meta = dict(self._meta)
+        shown = self._shown()
         # Never while lost: if a newer process took our node id, re-registering our service
         # would remove its check and invalidate its session.
-        if meta == self._published or self._session is None or self._lost.is_set():
+        if shown == self._published or self._session is None or self._lost.is_set():
             return
         try:
             self.client.agent_service_register(
                 self.definition(), deadline=time.monotonic() + self.settings.heartbeat_interval)
-            self._published = meta
+            self._published = shown
         except ConsulError as exc:
             logger.debug("Node %s could not publish its service meta: %s", self.node_id, exc)

@@ -125,11 +125,13 @@ class ConsulRendezvous:
 
     ``endpoint_provider`` is called before each announcement; it returns the trainer-store
     endpoint (``{"host", "port"}``) this node would host if it became rank 0 (the torch adapter
-    reserves a socket), or None.
+    reserves a socket), or None. ``address`` is where other nodes reach this one (the service
+    instance's Address; default ``host``).
     """
 
     def __init__(self, settings: RendezvousSettings, client: ConsulClient | None = None, *,
                  node_id: str | None = None, host: str | None = None,
+                 address: str | None = None,
                  endpoint_provider: Callable[[], dict | None] | None = None) -> None:
         self.settings = settings
         self.client = client or ConsulClient(retry_timeout=settings.consul_timeout)
@@ -145,7 +147,7 @@ class ConsulRendezvous:
         self.incarnation = Incarnation.new()
         self.registration = Registration(self.client, settings, node_id=self.node_id,
                                          host=self.host, incarnation=self.incarnation,
-                                         on_lost=self._on_lost)
+                                         address=address, on_lost=self._on_lost)
         self._endpoint_provider = endpoint_provider
         self._lock = threading.Lock()
         self._generation = 0
@@ -243,9 +245,15 @@ class ConsulRendezvous:
         with self._lock:
             self._broken.clear()  # a loss repaired during the join does not break the new round
         spread = random.uniform(0.0, min(META_SPREAD_MAX, result.world_size * META_SPREAD))
+        store = result.store or {}
         self.registration.publish(
-            {"state": "training", "round": str(result.round), "rank": str(result.rank)},
-            delay=META_DELAY + spread)
+            {"state": "training", "round": str(result.round), "rank": str(result.rank),
+             "world_size": str(result.world_size),
+             "store": f"{store.get('host', '')}:{store.get('port', '')}"},
+            delay=META_DELAY + spread,
+            note=f"round {result.round} · rank {result.rank}/{result.world_size} · training",
+            port=store.get("port") if result.rank == 0 and isinstance(store.get("port"), int)
+            else None)
         self._start_watch(result)
         logger.info("Node %s joined round %d of run %s as rank %d of %d (%.3fs, %d Consul "
                     "requests).", self.node_id, result.round, self.run_id, result.rank,

@@ -173,6 +173,7 @@ class ConsulRendezvousHandler(RendezvousHandler):
         self._bind_addr = local_addr or ""
         self._advertise = local_addr or socket.getfqdn()
         self._rdzv = ConsulRendezvous(settings, client, node_id=node_id,
+                                      address=self._advertise,
                                       endpoint_provider=self._reserve_endpoint)
         self._reserved: _StoreEndpoint | None = None
         self._server: TCPStore | None = None

@@ -19,6 +19,7 @@ from rdzv_nodes import (
     HB,
     Cluster,
     assert_round_ok,
+    endpoint_for,
     figure,
     one,
     ranks_of,
@@ -714,7 +715,18 @@ def test_service_instance_is_visible_in_consul_and_leave_cleans_up(cluster):
     assert meta["run_id"] == cluster.run_id and meta["node_id"] == "a"
     assert meta["host"] == "host-a" and meta["zone"] == "z1"
     assert meta["rank"] == str(result.rank) and meta["state"] == "training"
+    assert meta["world_size"] == "1"
+    store = endpoint_for("a")
+    assert meta["store"] == f"{store['host']}:{store['port']}"
     assert all(check["Status"] == "passing" for check in entry["Checks"])
+    # what an operator filters on and reads in the UI, in the catalog (not only on the agent)
+    service = entry["Service"]
+    assert service["Address"] == "host-a"
+    assert service["Port"] == store["port"], "rank 0 shows the trainer store it hosts"
+    assert {"consul-rdzv", f"run-{cluster.run_id}", "state-training", "rank-0"} \
+        <= set(service["Tags"])
+    ours = [c for c in entry["Checks"] if c["CheckID"] == node.check_id]
+    assert ours and ours[0]["Notes"] == "round 1 · rank 0/1 · training", ours
 
     session = node.session_id
     assert node.leave()
