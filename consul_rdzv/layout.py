@@ -78,6 +78,8 @@ class Member:
     nonce: str = ""
     incarnation: str = ""  # unique per process (per ConsulRendezvous), see Incarnation
     started: float = 0.0  # wall-clock start of that incarnation: the newest one wins a node id
+    min_nodes: int = 0  # this node's settings, for operators (consul-rdzv status)
+    max_nodes: int = 0
     # filled from the KV entry, not stored
     create_index: int = field(default=0, compare=False)
     modify_index: int = field(default=0, compare=False)
@@ -96,7 +98,9 @@ class Member:
                 rank=None if data.get("rank") is None else int(data["rank"]),
                 endpoint=data.get("endpoint"), meta=dict(data.get("meta") or {}),
                 nonce=str(data.get("nonce", "")), incarnation=str(data.get("incarnation", "")),
-                started=float(data.get("started", 0.0)), create_index=entry.create_index,
+                started=float(data.get("started", 0.0)),
+                min_nodes=int(data.get("min_nodes", 0)), max_nodes=int(data.get("max_nodes", 0)),
+                create_index=entry.create_index,
                 modify_index=entry.modify_index, session=entry.session,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -135,6 +139,8 @@ class Round:
     first_join: float = 0.0  # wall-clock figures for the benchmark
     quorum_at: float = 0.0
     sealed_at: float = 0.0
+    min_nodes: int = 0  # the sealing coordinator's settings, for operators
+    max_nodes: int = 0
     closed: dict | None = None  # {"reason": ..., "at": ..., "by": ...}
     modify_index: int = field(default=0, compare=False)
 
@@ -159,7 +165,9 @@ class Round:
                 coordinator=str(data.get("coordinator", "")), seal_id=str(data.get("seal_id", "")),
                 first_join=float(data.get("first_join", 0.0)),
                 quorum_at=float(data.get("quorum_at", 0.0)),
-                sealed_at=float(data.get("sealed_at", 0.0)), closed=data.get("closed"),
+                sealed_at=float(data.get("sealed_at", 0.0)),
+                min_nodes=int(data.get("min_nodes", 0)), max_nodes=int(data.get("max_nodes", 0)),
+                closed=data.get("closed"),
                 modify_index=entry.modify_index,
             )
         except (TypeError, ValueError) as exc:

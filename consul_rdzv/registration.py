@@ -50,6 +50,12 @@ logger = logging.getLogger(__name__)
 DEREGISTER_CRITICAL_AFTER = "1m"
 
 
+def _utc_now() -> str:
+    """The time of a heartbeat, in the check's output (``consul-rdzv status`` shows its age)."""
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+
+
 @dataclass(frozen=True, order=True)
 class Incarnation:
     """One process's claim on a node id. The newest ``(started, id)`` wins the node id."""
@@ -344,7 +350,8 @@ class Registration:
             next_beat = started + interval
             try:
                 # deadline=now: a single attempt; the next beat is the retry.
-                self.client.agent_check_update(self.check_id, "pass", note=self._note,
+                self.client.agent_check_update(self.check_id, "pass",
+                                               note=f"{self._note} · heartbeat {_utc_now()}",
                                                deadline=started, timeout=interval)
                 self._last_pass = started
                 failures = 0

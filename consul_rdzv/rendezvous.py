@@ -430,7 +430,8 @@ class ConsulRendezvous:
                       want=self._last_round_no + 1 if self._last_round_no else 0,
                       rank=self.settings.node_rank, endpoint=endpoint,
                       meta=dict(self.settings.node_meta), nonce=uuid.uuid4().hex,
-                      incarnation=self.incarnation.id, started=self.incarnation.started)
+                      incarnation=self.incarnation.id, started=self.incarnation.started,
+                      min_nodes=self.settings.min_nodes, max_nodes=self.settings.max_nodes)
 
     def _write_member(self, deadline: float) -> tuple[int, RunState]:
         """Write our member key (locked by our session) and read the round state, in one txn.
@@ -637,7 +638,8 @@ class ConsulRendezvous:
             round=number, ranks=order, hosts=[state.members[n].host for n in order],
             store=rank0.endpoint, members_index=snapshot_index, coordinator=self.node_id,
             seal_id=uuid.uuid4().hex, first_join=first_seen, quorum_at=quorum_at,
-            sealed_at=time.time(),
+            sealed_at=time.time(), min_nodes=self.settings.min_nodes,
+            max_nodes=self.settings.max_nodes,
         )
         ops = [txn_kv("check-session", self.keys.leader, session=self.registration.session),
                txn_kv("cas", self.keys.round, value=sealed.encode(),
