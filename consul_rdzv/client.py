@@ -300,6 +300,7 @@ class ConsulClient:
         if self.config.token:
             self._headers["X-Consul-Token"] = self.config.token
         self._lock = threading.Lock()
+        self._mine = threading.local()
         self.request_counts: Counter[str] = Counter()
 
     def __repr__(self) -> str:
@@ -311,6 +312,11 @@ class ConsulClient:
     def requests_sent(self) -> int:
         with self._lock:
             return sum(self.request_counts.values())
+
+    @property
+    def requests_sent_by_this_thread(self) -> int:
+        """Requests made by the calling thread (a join's own cost, without the heartbeats)."""
+        return getattr(self._mine, "count", 0)
 
     def close(self) -> None:
         self._pool.close()
@@ -327,6 +333,7 @@ class ConsulClient:
         with self._lock:
             group = path.split("/")[2] if path.count("/") > 1 else path
             self.request_counts[f"{method} {group}"] += 1
+        self._mine.count = getattr(self._mine, "count", 0) + 1
         url = urllib.parse.quote(path, safe=_PATH_SAFE)
         if params:
             url += "?" + urllib.parse.urlencode(params)

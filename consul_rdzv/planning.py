@@ -39,6 +39,7 @@ class Plan:
     wait_until: float | None = None
     quorum_since: float | None = None
     reason: str = ""
+    detail: str = ""  # what a waiting node's progress line adds to the node count
 
 
 @dataclass(frozen=True)
@@ -68,17 +69,17 @@ def plan_round(state: RunState, settings: RendezvousSettings, now: float,
     active = active_participants(state)
     current = state.round if state.round and state.round.ranks else None
     if active:
-        return Plan(reason=f"{len(active)} node(s) of round {current.round} have not come back "
-                           f"yet ({', '.join(sorted(active)[:8])})")
+        reason = (f"{len(active)} node(s) of round {current.round} have not come back yet "
+                  f"({', '.join(sorted(active)[:8])})")
+        return Plan(reason=reason, detail=reason)
     previous = {n: r for r, n in enumerate(current.ranks)} if current else {}
     candidates = [Candidate(m.node, m.host, m.create_index, m.meta, m.rank)
                   for m in state.members.values()]
     selected = select(candidates, previous, settings.max_nodes, settings.rank_policy)
     if len(selected) < settings.min_nodes:
         reason = f"{len(selected)} of min_nodes {settings.min_nodes} nodes present"
-        if settings.rank_policy == "explicit":
-            reason += f" ({explicit_gap(candidates)})"
-        return Plan(reason=reason)
+        detail = explicit_gap(candidates) if settings.rank_policy == "explicit" else ""
+        return Plan(reason=f"{reason} ({detail})" if detail else reason, detail=detail)
     try:
         order = assign(selected, previous, settings.rank_policy, settings.topology_keys)
     except NotReady as exc:
@@ -90,8 +91,9 @@ def plan_round(state: RunState, settings: RendezvousSettings, now: float,
     since = now if quorum_since is None else quorum_since
     if now >= since + settings.last_call_timeout:
         return Plan(seal=order, quorum_since=since)
+    reason = f"last call: {len(selected)} nodes present, up to {settings.max_nodes}"
     return Plan(wait_until=since + settings.last_call_timeout, quorum_since=since,
-                reason=f"last call: {len(selected)} nodes present, up to {settings.max_nodes}")
+                reason=reason, detail=reason)
 
 
 def explicit_gap(candidates: list[Candidate]) -> str:

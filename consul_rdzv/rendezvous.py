@@ -199,7 +199,7 @@ class ConsulRendezvous:
             self._broken.clear()
         self.registration.probe_session = True
         started = time.time()
-        requests_before = self.client.requests_sent
+        requests_before = self.client.requests_sent_by_this_thread
         deadline = time.monotonic() + self.settings.join_timeout
         try:
             while True:
@@ -239,7 +239,7 @@ class ConsulRendezvous:
                 f"Consul call failed for node {self.node_id} of run {self.run_id}: {exc}"
             ) from exc
         result.timings.update(join_started=started, released=time.time())
-        result.requests = self.client.requests_sent - requests_before
+        result.requests = self.client.requests_sent_by_this_thread - requests_before
         self._round = result
         self._last_round_no = result.round
         with self._lock:
@@ -255,9 +255,10 @@ class ConsulRendezvous:
             port=store.get("port") if result.rank == 0 and isinstance(store.get("port"), int)
             else None)
         self._start_watch(result)
-        logger.info("Node %s joined round %d of run %s as rank %d of %d (%.3fs, %d Consul "
+        logger.info("Node %s joined round %d of run %s as rank %d of %d in %.0f ms (%d Consul "
                     "requests).", self.node_id, result.round, self.run_id, result.rank,
-                    result.world_size, result.timings["released"] - started, result.requests)
+                    result.world_size, (result.timings["released"] - started) * 1000,
+                    result.requests)
         return result
 
     def register(self, timeout: float | None = None) -> None:
@@ -504,8 +505,8 @@ class ConsulRendezvous:
                 except ConsulSessionInvalid as exc:
                     raise _Rejoin(str(exc)) from exc
                 if acquired:
-                    logger.info("Node %s is the coordinator of run %s.", self.node_id,
-                                self.run_id)
+                    logger.debug("Node %s is the coordinator of run %s.", self.node_id,
+                                 self.run_id)
                     state.leader_session = session
             if state.leader_session == session:
                 try:
@@ -605,13 +606,13 @@ class ConsulRendezvous:
                 raise self._closed_error(state.round)
             plan = plan_round(state, self.settings, time.monotonic(), quorum_since)
             if quorum_since is None and plan.quorum_since is not None and plan.seal is None:
-                logger.info("Run %s has a quorum; last call for %gs.", self.run_id,
-                            self.settings.last_call_timeout)
+                logger.debug("Run %s has a quorum; last call for %gs.", self.run_id,
+                             self.settings.last_call_timeout)
             quorum_since = plan.quorum_since
             if plan.seal is None:
                 logger.debug("Coordinator %s of run %s waits: %s.", self.node_id, self.run_id,
                              plan.reason)
-                progress.maybe_log(state, plan.reason)
+                progress.maybe_log(state, plan.detail)
                 continue
             quorum_at = time.time() - (time.monotonic() - (quorum_since or time.monotonic()))
             sealed = self._seal(state, plan.seal, res.index, first_seen, quorum_at, deadline)
@@ -648,12 +649,12 @@ class ConsulRendezvous:
         try:
             res = self.client.txn(ops, deadline=self._op_deadline(deadline))
         except ConsulTxnConflict as exc:
-            logger.info("Coordinator %s of run %s could not seal round %d (%s); re-reading.",
-                        self.node_id, self.run_id, number, exc)
+            logger.debug("Coordinator %s of run %s could not seal round %d (%s); re-reading.",
+                         self.node_id, self.run_id, number, exc)
             return None
         sealed.modify_index = res.data[1].modify_index if res.data[1] else 0
-        logger.info("Coordinator %s sealed round %d of run %s with %d nodes.", self.node_id,
-                    number, self.run_id, len(order))
+        logger.debug("Coordinator %s sealed round %d of run %s with %d nodes.", self.node_id,
+                     number, self.run_id, len(order))
         return sealed
 
     def _result(self, current: Round) -> RoundResult:

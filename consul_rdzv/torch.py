@@ -521,8 +521,46 @@ def _consul_config(endpoint: str, conf: dict) -> ConsulConfig:
     )
 
 
+class _TorchStyleFormatter(logging.Formatter):
+    """torch's log line format: ``I1203 16:40:01.123000 4242 consul_rdzv/rendezvous.py:258] ...``
+    (level letter, month and day, time, pid, file and line), so that our lines read like the
+    torch lines around them under torchrun."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        path = record.pathname.replace(os.sep, "/")
+        cut = path.rfind("consul_rdzv/")
+        stamp = time.strftime("%m%d %H:%M:%S", time.localtime(record.created))
+        head = (f"{record.levelname[:1]}{stamp}.{int(record.msecs * 1000):06d} {record.process} "
+                f"{path[cut:] if cut >= 0 else record.filename}:{record.lineno}] ")
+        text = head + record.getMessage()
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+def _show_progress() -> None:
+    """Under torchrun, show our progress lines (INFO) in torch's format on stderr.
+
+    Only when nobody configured logging for us: no handler on our logger or the root logger
+    (torchrun's agent process sets up handlers for torch's loggers only, so ours would
+    otherwise print nothing below WARNING, unformatted). ``LOGLEVEL`` (torchrun's variable)
+    sets the level; INFO by default, which stays quiet while a job is healthy: a line per
+    round, one every 15 s while waiting, one when a round ends.
+    """
+    ours = logging.getLogger("consul_rdzv")
+    if ours.handlers or logging.getLogger().handlers:
+        return  # the user's own logging configuration decides
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_TorchStyleFormatter())
+    ours.addHandler(handler)
+    level = logging.getLevelName(os.environ.get("LOGLEVEL", "INFO").strip().upper())
+    ours.setLevel(level if isinstance(level, int) else logging.INFO)
+    ours.propagate = False
+
+
 def create_handler(params: RendezvousParameters) -> ConsulRendezvousHandler:
     """Build a handler from torchrun's parameters. Bad values raise ValueError naming the key."""
+    _show_progress()
     conf = dict(params.config.items())
     settings = settings_from_conf(params.run_id, params.min_nodes, params.max_nodes, conf)
     config = _consul_config((params.endpoint or "").strip(), conf)
@@ -539,7 +577,7 @@ def create_handler(params: RendezvousParameters) -> ConsulRendezvousHandler:
     except errors.RendezvousError as exc:
         logger.debug("Node %s could not register at handler creation (%s); next_rendezvous() "
                      "will.", rdzv.node_id, exc)
-    logger.info("Created consul rendezvous handler for run %s (node %s, Consul %s).",
-                settings.run_id, rdzv.node_id, config.url)
+    logger.debug("Created consul rendezvous handler for run %s (node %s, Consul %s).",
+                 settings.run_id, rdzv.node_id, config.url)
     return handler
 

@@ -9,6 +9,7 @@ check that consul_timeout, not join_timeout, bounds how long a node waits for a 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -200,6 +201,40 @@ def test_closed_run_ends_waiting_agents_and_a_new_job_reuses_the_run_id(agent, p
         codes = job.wait(JOB_TIMEOUT, again)
         assert all(codes[a.name] == 0 for a in again), f"{codes}\n{job.report()}"
         assert_trained_together(job, 3)
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+#: torch's log line prefix, which ours follow under torchrun: level, date, time, pid, file:line.
+_OUR_LINE = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ consul_rdzv/\w+\.py:\d+\] ",
+                       re.MULTILINE)
+
+
+@pytest.mark.timeout(400)
+def test_waiting_agent_shows_progress_in_torchs_format_without_any_logging_setup(
+        agent, prefix, run_id, tmp_path):
+    """No LOGLEVEL, no logging configuration: a node waiting for its partner says so every
+    ~15 s (what it waits for, who is there, the coordinator, the time left), then one line for
+    its round, formatted like torch's own lines."""
+    with TorchrunJob(tmp_path, agent.address, run_id, nnodes="2", env={"LOGLEVEL": None},
+                     rdzv_conf=fast_conf(prefix), train_args=["--steps", "5"]) as job:
+        first = job.start("node-0")
+        job.wait_for(lambda: "waits for round 1" in first.log(), 40,
+                     "a progress line from the waiting agent")
+        log = first.log()
+        line = next(x for x in log.splitlines() if "waits for round 1" in x)
+        assert _OUR_LINE.match(line), line
+        assert "1 of min 2 nodes present (node-0)" in line, line
+        assert "coordinator node-0" in line and "join timeout in" in line, line
+        job.start("node-1")
+        codes = job.wait(JOB_TIMEOUT)
+        assert codes == {"node-0": 0, "node-1": 0}, job.report()
+        joined = [x for x in first.log().splitlines() if "joined round 1" in x]
+        assert len(joined) == 1 and _OUR_LINE.match(joined[0]), first.log()
+        assert re.search(r"as rank [01] of 2 in \d+ ms", joined[0]), joined[0]
+        ours = _OUR_LINE.findall(first.log())
+        assert len(ours) <= 8, f"{len(ours)} lines of ours in a healthy 2-node job:\n{first.log()}"
 
 
 # ----------------------------------------------------------------------------- broken Consul

@@ -76,8 +76,9 @@ class TorchrunJob:
         self.rdzv_conf = dict(rdzv_conf or {})
         self.train_args = list(train_args or [])
         self.max_restarts = max_restarts
-        self.env = {**os.environ, "LOGLEVEL": "INFO", "PYTHONUNBUFFERED": "1",
-                    "OMP_NUM_THREADS": "1", **(env or {})}
+        env = {**os.environ, "LOGLEVEL": "INFO", "PYTHONUNBUFFERED": "1",
+               "OMP_NUM_THREADS": "1", **(env or {})}
+        self.env = {k: v for k, v in env.items() if v is not None}  # None: unset it
         self.agents: list[Agent] = []
 
     # ------------------------------------------------------------------ processes
