@@ -607,6 +607,25 @@ class ConsulClient:
             results.append(KVEntry.from_json(kv) if kv else None)
         return QueryResult(self._index(resp), results)
 
+    def read_with_headers(self, path: str, *, params: dict | None = None,
+                          index: int | None = None, wait: float | None = None,
+                          deadline: float | None = None) -> tuple[QueryResult, dict[str, str]]:
+        """GET any read endpoint, blocking when ``index`` and ``wait`` are given.
+
+        Returns its JSON (None on a 404) with the ``X-Consul-Index``, and Consul's ``X-Consul-*``
+        headers (names lower-cased), e.g. ``x-consul-results-filtered-by-acls`` (set only for a
+        request that carries a token: the anonymous token's filtered results look empty) and
+        ``x-consul-default-acl-policy``. What ``consul-rdzv`` reads the catalog and KV with.
+        """
+        query, read_timeout = self._blocking_params(index, wait)
+        query.update(params or {})
+        resp = self._call("GET", path, params=query, read_timeout=read_timeout,
+                          deadline=deadline, ok_404=True)
+        headers = {k.lower(): v for k, v in resp.headers.items()
+                   if k.lower().startswith("x-consul-")}
+        data = None if resp.status_code == 404 else resp.json()
+        return QueryResult(self._index(resp), data), headers
+
 
 def _check_value(key: str, value: bytes) -> None:
     if len(value) > MAX_VALUE_BYTES:

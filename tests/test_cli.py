@@ -1,0 +1,367 @@
+"""``consul-rdzv`` as a user runs it: real subprocesses (``python -m consul_rdzv.cli``) against a
+real dev agent and a running run of ``ConsulRendezvous`` nodes in threads.
+
+Every test waits on conditions with deadlines, never on fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import calendar
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from rdzv_nodes import Cluster, wait_for
+
+from consul_rdzv import __version__
+from consul_rdzv.cli import build_parser, fmt_duration, heartbeat_time, parse_duration
+from consul_rdzv.errors import RendezvousClosedError
+from consul_rdzv.layout import Round
+from consul_rdzv.rendezvous import ConsulRendezvous
+from consul_rdzv.testing import free_port
+
+pytestmark = pytest.mark.timeout(90)
+
+CLI = [sys.executable, "-m", "consul_rdzv.cli"]
+
+
+def cli(*args: str, env: dict[str, str] | None = None,
+        timeout: float = 30) -> subprocess.CompletedProcess:
+    """One ``consul-rdzv`` command; the environment is the test's (CONSUL_HTTP_ADDR from the
+    ``agent`` fixture, or the conftest's address where nothing listens)."""
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def one_error_line(proc: subprocess.CompletedProcess, command: str) -> str:
+    """The failed command's stderr: exactly one line, ``consul-rdzv <command>: ...``."""
+    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"consul-rdzv {command}: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def run(agent, prefix, tmp_path):
+    """The nodes of one run (threads), left and cleaned up after the test."""
+    c = Cluster(agent, prefix, tmp_path)
+    yield c
+    c.shutdown()
+
+
+def training(run: Cluster, n: int, *, waiting: int = 0, max_nodes: int | None = None) -> list:
+    """``n`` nodes in a sealed round (min = max = n unless ``max_nodes``), plus ``waiting``
+    nodes beside the full round."""
+    settings = run.settings(min_nodes=n, max_nodes=max_nodes or n)
+    nodes = [run.node(f"node-{i}", settings) for i in range(n)]
+    run.rounds(nodes, 30)
+    spares = [run.node(f"spare-{i}", settings) for i in range(waiting)]
+    run.start(spares)
+    wait_for(lambda: len(run.members()) == n + waiting, 15, "the spares' member keys")
+    return nodes + spares
+
+
+# ----------------------------------------------------------------------------- no Consul needed
+
+
+def test_version_help_and_usage_errors():
+    proc = cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"consul-rdzv {__version__}"
+    # every option and positional argument of every command has a help text
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.choices and "status" in a.choices)
+    for name, p in [("consul-rdzv", parser), *sub.choices.items()]:
+        for action in p._actions:
+            if action.dest not in ("help", "command"):
+                assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+    usage = cli("status")  # RUN missing
+    assert usage.returncode == 2 and "RUN" in usage.stderr
+    bad_id = cli("status", "a/b")
+    assert bad_id.returncode == 2, bad_id.stderr
+    assert bad_id.stderr.startswith("consul-rdzv status: run_id 'a/b' is invalid")
+    assert cli("gc", "--older-than", "soon").returncode == 2
+
+
+def test_helpers():
+    beat = heartbeat_time("round 5 · rank 3/8 · training · heartbeat 2026-12-03T16:40:01.123Z")
+    assert beat == pytest.approx(calendar.timegm((2026, 12, 3, 16, 40, 1, 0, 0, 0)) + 0.123)
+    assert heartbeat_time("joining") is None
+    assert [fmt_duration(s) for s in (0.42, 42, 185, 7800, 200000)] == \
+        ["0.4s", "42s", "3m05s", "2h10m", "2d7h"]
+    assert [parse_duration(t) for t in ("90", "30s", "10m", "2h", "1d")] == \
+        [90, 30, 600, 7200, 86400]
+
+
+def test_unreachable_consul_is_one_line():
+    port = free_port()  # nothing listens there
+    started = time.monotonic()
+    proc = cli("status", "job", "--address", f"127.0.0.1:{port}", "--consul-timeout", "1")
+    line = one_error_line(proc, "status")
+    assert f"127.0.0.1:{port}" in line and "did not answer" in line, line
+    assert "--address" in line
+    assert time.monotonic() - started < 20
+
+
+# ----------------------------------------------------------------------------- reading a run
+
+
+def test_list_and_status_of_a_running_run(agent, run, prefix):
+    training(run, 2, waiting=1)
+    # the global option after the command, and (next) before it
+    listed = cli("list", "--key-prefix", prefix)
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = listed.stdout.splitlines()
+    assert header.split() == ["RUN", "STATE", "ROUND", "WORLD", "NODES", "MIN:MAX",
+                              "COORDINATOR", "AGE"]
+    assert len(rows) == 1 and rows[0].split()[:6] == [run.run_id, "training", "1", "2", "3",
+                                                      "2:2"], listed.stdout
+    doc = json.loads(cli("--key-prefix", prefix, "list", "--json").stdout)
+    (row,) = doc["runs"]
+    assert (row["run_id"], row["state"], row["world_size"], row["nodes"]) == (
+        run.run_id, "training", 2, 3)
+
+    text = cli("status", run.run_id, "--key-prefix", prefix)
+    assert text.returncode == 0, text.stderr
+    out = text.stdout
+    leader = run.leader().node
+    for expected in (f"coordinator:   {leader}", "min/max:       2/2 nodes", "round:         1, "
+                     "world size 2", "trainer store: node-", "waiting:       spare-0"):
+        assert expected in out, out
+    assert "RANK  NODE" in out and "HEARTBEAT" in out
+
+    status = json.loads(cli("status", run.run_id, "--key-prefix", prefix, "--json").stdout)
+    assert status["state"] == "training" and status["round"] == 1
+    assert (status["min_nodes"], status["max_nodes"]) == (2, 2)
+    assert status["coordinator"] == leader
+    current = run.current_round()
+    assert status["store"] == f"{current.store['host']}:{current.store['port']}"
+    ranked = [n for n in status["nodes"] if n["rank"] is not None]
+    assert [n["node"] for n in ranked] == current.ranks
+    for n in ranked:
+        assert n["state"] == "active" and n["health"] == "passing", n
+        assert n["address"] == f"{n['node']}.store.test"  # the advertised store host
+    # heartbeats are read from the agent that holds the checks: seconds old, never minutes
+    wait_for(lambda: all(
+        n["heartbeat_source"] == "agent" and n["heartbeat_age"] is not None
+        and -1 < n["heartbeat_age"] < 5
+        for n in json.loads(cli("status", run.run_id, "--key-prefix", prefix,
+                                "--json").stdout)["nodes"]), 15, "fresh heartbeats")
+    assert status["waiting"] == ["spare-0"]
+    (spare,) = [n for n in status["nodes"] if n["rank"] is None]
+    assert spare["state"] == "waiting"
+
+
+def test_status_shows_a_dead_node_as_critical_or_gone(agent, run, prefix):
+    nodes = training(run, 2)
+    victim = nodes[1]
+    victim.halt()  # as if SIGKILLed: its check lapses after the TTL
+
+    def victim_state() -> str:
+        doc = json.loads(cli("status", run.run_id, "--key-prefix", prefix, "--json").stdout)
+        return next(n["state"] for n in doc["nodes"] if n["node"] == victim.node_id)
+
+    wait_for(lambda: victim_state() == "gone", 20, "the killed node shown as gone")
+    assert json.loads(cli("status", run.run_id, "--key-prefix", prefix,
+                          "--json").stdout)["state"] == "re-forming"
+
+
+def test_no_such_run_exits_1(agent, prefix):
+    proc = cli("status", "no-such-job", "--key-prefix", prefix)
+    line = one_error_line(proc, "status")
+    assert "no such run 'no-such-job'" in line and f"{prefix}/no-such-job/" in line, line
+    assert proc.stdout == ""
+    listed = cli("list", "--key-prefix", prefix)
+    assert listed.returncode == 0 and "no runs under" in listed.stdout
+
+
+def test_explicit_address_beats_the_environment(agent, run, prefix):
+    training(run, 1)
+    nowhere = {"CONSUL_HTTP_ADDR": f"127.0.0.1:{free_port()}"}
+    proc = cli("status", run.run_id, "--address", agent.address, "--key-prefix", prefix,
+               env=nowhere)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_acl_denied_is_one_line_naming_the_rule(acl_agent, prefix, tmp_path):
+    admin = acl_agent.client()
+    admin.kv_put(f"{prefix}/job/round/current", Round(round=0).encode())
+    for args in (["list"], ["status", "job"], ["close", "job"]):
+        proc = cli("--address", acl_agent.address, *args, "--key-prefix", prefix)
+        line = one_error_line(proc, args[0])
+        assert "key_prefix" in line and f'"{prefix}/' in line and "read" in line, line
+    assert admin.kv_get(f"{prefix}/job/round/current").data.value == Round(round=0).encode()
+    token = tmp_path / "token"
+    token.write_text(acl_agent.management_token)
+    ok = cli("--address", acl_agent.address, "--token-file", str(token), "list",
+             "--key-prefix", prefix)
+    assert ok.returncode == 0 and "job" in ok.stdout, ok.stderr
+    admin.close()
+
+
+# ----------------------------------------------------------------------------- watch
+
+
+class Lines(threading.Thread):
+    """The stdout lines of a running process, on a queue."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        super().__init__(daemon=True)
+        self.proc = proc
+        self.lines: queue.Queue = queue.Queue()
+        self.start()
+
+    def run(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def until(self, predicate, timeout: float, what: str) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line for {what} in {timeout:g}s") from None
+            if line is None:
+                raise AssertionError(f"the process ended before {what}: "
+                                     f"{self.proc.stderr.read()}")
+            if predicate(line):
+                return line
+
+
+def test_watch_prints_a_frame_per_change_and_stops_at_its_timeout(agent, run, prefix):
+    settings = run.settings(min_nodes=2, max_nodes=2)
+    first = run.node("node-a", settings)
+    run.start([first])
+    wait_for(lambda: "node-a" in run.members(), 15, "node-a waiting")
+    started = time.monotonic()
+    proc = subprocess.Popen([*CLI, "watch", run.run_id, "--key-prefix", prefix, "--json",
+                             "--timeout", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        lines = Lines(proc)
+        frame = json.loads(lines.until(lambda line: True, 15, "the first frame"))
+        assert frame["state"] == "waiting" and frame["waiting"] == ["node-a"], frame
+        run.start([run.node("node-b", settings)])  # the second node joins: the round seals
+        line = lines.until(lambda line: json.loads(line)["state"] == "training", 15,
+                           "a frame of the sealed round")
+        sealed = json.loads(line)
+        assert sorted(n["node"] for n in sealed["nodes"]) == ["node-a", "node-b"]
+        assert proc.wait(timeout=20) == 0, proc.stderr.read()
+        took = time.monotonic() - started
+        assert 8 <= took < 16, took
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_watch_text_frames_and_ctrl_c_exits_0(agent, run, prefix):
+    training(run, 1)
+    proc = subprocess.Popen([*CLI, "watch", run.run_id, "--key-prefix", prefix],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = Lines(proc)
+        head = lines.until(lambda line: line.startswith("---"), 15, "the frame header")
+        assert f"{run.run_id}: training, round 1, world 1" in head, head
+        lines.until(lambda line: "RANK" in line, 5, "the rank table")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# ----------------------------------------------------------------------------- changing runs
+
+
+def test_drain_takes_a_node_out_and_the_job_reforms(agent, run, prefix):
+    nodes = training(run, 3)
+    victim, others = nodes[2], nodes[:2]
+    proc = cli("drain", run.run_id, victim.node_id, "--key-prefix", prefix)
+    assert proc.returncode == 0, proc.stderr
+    assert "re-rendezvous" in proc.stdout and "not stopped" in proc.stdout, proc.stdout
+    assert victim.node_id not in run.members()
+    wait_for(lambda: all(n.num_nodes_waiting() >= 1 for n in others), 10,
+             "the others see the drained node gone")
+    missing = cli("drain", run.run_id, "nobody", "--key-prefix", prefix)
+    assert "is not in run" in one_error_line(missing, "drain")
+
+
+def test_close_stops_future_rounds_and_refuses_a_missing_run(agent, run, prefix):
+    waiter = run.node("lonely", run.settings(min_nodes=2, max_nodes=2))
+    (future,) = run.start([waiter]).values()
+    wait_for(lambda: "lonely" in run.members(), 15, "the waiting node's key")
+    proc = cli("close", run.run_id, "--key-prefix", prefix, "--reason", "maintenance window")
+    assert proc.returncode == 0, proc.stderr
+    assert "stops future rounds only" in proc.stdout and "keep training" in proc.stdout
+    with pytest.raises(RendezvousClosedError, match="maintenance window"):
+        future.result(timeout=15)
+    assert json.loads(cli("status", run.run_id, "--key-prefix", prefix,
+                          "--json").stdout)["state"] == "closed"
+
+    admin = agent.client()
+    missing = cli("close", "typo-job", "--key-prefix", prefix)
+    assert "no such run 'typo-job'" in one_error_line(missing, "close")
+    assert admin.kv_list(f"{prefix}/typo-job/").data == []
+    admin.close()
+
+
+def test_gc_lists_then_deletes_ended_and_abandoned_runs_only(agent, run, prefix):
+    admin = agent.client()
+    live = training(run, 1)[0]
+    # an abandoned run: its only node left without closing it (its round stays behind)
+    ghost = ConsulRendezvous(run.settings(run_id="abandoned-job", min_nodes=1, max_nodes=1),
+                             node_id=f"ghost-{prefix}", host="ghost")
+    ghost.next_round()
+    ghost.leave()
+    ghost.client.close()
+    # an ended run: a closed marker nobody removed
+    admin.kv_put(f"{prefix}/ended-job/round/current",
+                 Round(closed={"reason": "done", "at": time.time(), "by": "test"}).encode())
+    assert admin.kv_keys(f"{prefix}/abandoned-job/") == [f"{prefix}/abandoned-job/round/current"]
+
+    dry = cli("gc", "--key-prefix", prefix, "--older-than", "0")
+    assert dry.returncode == 0, dry.stderr
+    assert "would delete 2 run(s)" in dry.stdout and "abandoned-job" in dry.stdout, dry.stdout
+    plan = json.loads(cli("gc", "--key-prefix", prefix, "--older-than", "0", "--json").stdout)
+    assert sorted(r["run_id"] for r in plan["would_delete"]) == ["abandoned-job", "ended-job"]
+    assert [r["run_id"] for r in plan["kept"]] == [run.run_id]
+    assert admin.kv_keys(f"{prefix}/abandoned-job/")  # a dry run deletes nothing
+    young = json.loads(cli("gc", "--key-prefix", prefix, "--json").stdout)  # default 10m
+    assert [r["run_id"] for r in young["would_delete"]] == ["ended-job"]
+
+    done = cli("gc", "--key-prefix", prefix, "--older-than", "0", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert "deleted 2 run(s)" in done.stdout, done.stdout
+    assert admin.kv_keys(f"{prefix}/abandoned-job/") == []
+    assert admin.kv_keys(f"{prefix}/ended-job/") == []
+    assert live.node_id in run.members() and run.current_round().round == 1
+    assert live.num_nodes_waiting() == 0
+    admin.close()
+
+
+def test_demo_keep_is_documented():
+    proc = cli("demo", "--help")
+    assert proc.returncode == 0 and "--keep" in proc.stdout
+
+
+def test_cli_reference_names_every_command_and_option():
+    reference = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.choices and "status" in a.choices)
+    for name, p in sub.choices.items():
+        assert f"consul-rdzv {name}" in reference, name
+        for action in p._actions:
+            for option in action.option_strings:
+                if option not in ("-h", "--help"):
+                    assert option in reference, f"{name} {option} missing from docs/cli.md"
