@@ -118,19 +118,84 @@ def _duration(seconds: float) -> str:
 
 _LACKS = re.compile(r"lacks permission '(?P<res>[a-z_]+):(?P<access>[a-z]+)' on \"(?P<on>[^\"]*)\"")
 
+#: Where the least-privilege policy lives (the rules below are its rules, in its words).
+ACL_POLICY_FILE = "docs/acl-policy.hcl"
+#: Consul's anonymous token: what a request without a token runs as.
+_ANONYMOUS_ACCESSOR = "00000000-0000-0000-0000-000000000002"
+#: A key of a run: ``<key_prefix>/<run_id>/`` or below it, ``members/<node>`` or ``round/...``.
+_RUN_KEY = re.compile(r"^(?P<prefix>.+)/[^/]+/(?:(?:members|round)(?:/[^/]*)?)?$")
+#: The default service name of a run is ``torchelastic-<run_id>`` (settings.service).
+_DEFAULT_SERVICE_PREFIX = "torchelastic-"
+
+
+def _is_acl_denial(text: str) -> bool:
+    lowered = text.lower()
+    return "permission denied" in lowered or "acl not found" in lowered
+
+
+def _reusable_rule(res: str, access: str, on: str) -> tuple[str, str]:
+    """The rule of docs/acl-policy.hcl that covers ``res:access`` on ``on`` for every run, and
+    what it covers besides ``on``, in words.
+
+    The client does not know the run's key prefix or service name: they are read back from the
+    denied resource. A run's keys are ``<key_prefix>/<run_id>/...`` (the prefix is what precedes
+    the run id); its service is ``torchelastic-<run_id>`` unless ``service_name`` names one
+    service for every run; a session is named after the Consul node of the agent it was created
+    on, which is any host of the job.
+    """
+    if res == "key":
+        m = _RUN_KEY.match(on)
+        prefix = m.group("prefix") if m else on.split("/", 1)[0]
+        return (f'key_prefix "{prefix}/" {{ policy = "write" }}',
+                f'the keys of every other run under key_prefix "{prefix}"')
+    if res == "service":
+        if on.startswith(_DEFAULT_SERVICE_PREFIX):
+            return (f'service_prefix "{_DEFAULT_SERVICE_PREFIX}" {{ policy = "write" }}',
+                    "the service of every other run (service_name defaults to "
+                    f"{_DEFAULT_SERVICE_PREFIX}<run_id>)")
+        return (f'service "{on}" {{ policy = "write" }}',
+                "every run that uses this service_name")
+    if res == "session":
+        return ('session_prefix "" { policy = "write" }',
+                "every other Consul node the job's agents run on")
+    if res in ("node", "agent", "query", "event"):
+        return (f'{res}_prefix "" {{ policy = "{access}" }}', f"every other {res}")
+    return (f'{res} = "{access}"', f"all of {res}")
+
 
 def _acl_hint(text: str) -> str:
+    """What to do about a 403 (or a denied transaction operation), after Consul's ``text``.
+
+    A missing permission: the rule to add, in the reusable form docs/acl-policy.hcl ships
+    (``key_prefix "torchelastic/"``, not one run's key), and the exact resource denied. An
+    unknown token ("ACL not found"): that the token is unknown, not short of a permission.
+    """
+    if "acl not found" in text.lower():
+        return (
+            "The token is unknown to this Consul (expired, deleted, or created in another "
+            "Consul cluster or datacenter): no permission is missing, the token itself is not "
+            "known. Check CONSUL_HTTP_TOKEN / CONSUL_HTTP_TOKEN_FILE (or --rdzv-conf token_file) "
+            "and use a token of this cluster, e.g. `consul acl token create -policy-name "
+            f"consul-rdzv` with the policy of {ACL_POLICY_FILE}."
+        )
+    anonymous = _ANONYMOUS_ACCESSOR in text or "anonymous token" in text.lower()
+    no_token = ("No token was sent (Consul used its anonymous token): set CONSUL_HTTP_TOKEN or "
+                "CONSUL_HTTP_TOKEN_FILE. " if anonymous else "")
     m = _LACKS.search(text)
     if not m:
         return (
-            "Give the job a token (CONSUL_HTTP_TOKEN or CONSUL_HTTP_TOKEN_FILE) whose policy "
-            "grants key_prefix, session and service write on the run's names."
+            f"{no_token}The token's policy needs the rules of {ACL_POLICY_FILE}: "
+            'key_prefix "torchelastic/", service_prefix "torchelastic-" and session_prefix "", '
+            'each { policy = "write" } (for the default key_prefix and service_name).'
         )
     res, access, on = m.group("res"), m.group("access"), m.group("on")
-    rule_kind = {"key": "key_prefix", "service": "service_prefix", "session": "session_prefix",
-                 "node": "node_prefix"}.get(res, res)
-    return (f"The token needs the ACL rule {rule_kind} \"{on}\" {{ policy = \"{access}\" }} "
-            "(or a prefix rule that covers it).")
+    rule, covers = _reusable_rule(res, access, on)
+    denied = f'sessions on Consul node "{on}"' if res == "session" else f'{res} "{on}"'
+    return (
+        f"{no_token}Add the rule {rule} to the token's policy: it covers {denied} and "
+        f"{covers}. The whole least-privilege policy, and how to adapt it to another "
+        f"key_prefix or service_name, is {ACL_POLICY_FILE}."
+    )
 
 
 @dataclass(frozen=True)
@@ -205,7 +270,16 @@ def _raise_for(resp: Response, what: str) -> None:
             raise ConsulSessionInvalid(f"{what}: {text}", status=status)
         raise ConsulNotFound(f"{what}: {text or 'not found'}", status=status)
     if status == 409 and what.startswith("PUT /v1/txn"):
-        raise _txn_conflict(resp)
+        conflict = _txn_conflict(resp)
+        denied = next((e for e in conflict.errors if _is_acl_denial(e.what)), None)
+        if denied is not None:
+            # Consul rolls a transaction back (409) when the token may not do one of its
+            # operations: a permission problem, never a conflict that retrying could resolve.
+            raise ConsulPermissionDenied(
+                f"Consul denied {what} (operation {denied.op_index}): {denied.what}. "
+                f"{_acl_hint(denied.what)}", status=status
+            )
+        raise conflict
     if status >= 500 and _PERMANENT_500.search(text):
         raise ConsulBadRequest(f"Consul rejected {what} ({status}): {text}", status=status)
     if "invalid session" in lowered or ("session" in lowered and "does not exist" in lowered):

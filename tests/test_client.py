@@ -826,9 +826,9 @@ def test_call_raises_permission_denied_naming_rule_if_acl_token_is_missing(acl_a
         client.close()
     message = str(info.value)
     assert info.value.status == 403
-    assert "key_prefix" in message
-    assert "write" in message
-    assert f"{prefix}/k" in message
+    assert f'key_prefix "{prefix}/" {{ policy = "write" }}' in message
+    assert f"lacks permission 'key:write' on \"{prefix}/k\"" in message
+    assert "No token was sent" in message and "docs/acl-policy.hcl" in message
     assert acl_agent.management_token not in message
 
 
@@ -976,6 +976,7 @@ def test_token_is_absent_from_logs_and_errors_if_calls_are_denied(acl_agent, pre
     finally:
         client.close()
     assert all("ACL not found" in str(e) for e in errors)
+    assert all("token is unknown to this Consul" in str(e) for e in errors)
     _assert_secret_absent(SECRET, caplog, *(str(e) for e in errors), *(repr(e) for e in errors))
 
 

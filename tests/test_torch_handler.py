@@ -374,7 +374,9 @@ def test_missing_acl_permission_is_a_connection_error_naming_it(acl_agent, prefi
     assert time.monotonic() - started < 5
     text = str(info.value)
     assert "lacks permission" in text and "service:write" in text, text
-    assert f'service_prefix "torchelastic-{run_id}"' in text, text
+    # The rule in the reusable form docs/acl-policy.hcl ships (every run), the exact service.
+    assert 'service_prefix "torchelastic-" { policy = "write" }' in text, text
+    assert f'on "torchelastic-{run_id}"' in text and "docs/acl-policy.hcl" in text, text
 
 
 # ----------------------------------------------------------------------------- rdzv conf

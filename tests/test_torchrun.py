@@ -305,4 +305,6 @@ def test_missing_acl_permission_fails_fast_naming_it(acl_agent, prefix, run_id, 
                      rdzv_conf=default_conf(prefix)) as job:
         _code, _took, log, report = fails_fast_with_connection_error(job)
         assert "lacks permission 'service:write'" in log, report
-        assert f'service_prefix "torchelastic-{run_id}"' in log, report
+        assert f'on "torchelastic-{run_id}"' in log, report
+        assert 'service_prefix "torchelastic-" { policy = "write" }' in log, report
+        assert "No token was sent" in log and "docs/acl-policy.hcl" in log, report
