@@ -47,7 +47,7 @@ from .errors import (
     ConsulUnavailableError,
     RendezvousError,
 )
-from .layout import Keys, Member, Round, RunState
+from .layout import Drain, Keys, Member, Round, RunState
 from .planning import active_participants
 from .settings import RendezvousSettings
 
@@ -846,6 +846,12 @@ def cmd_drain(args: argparse.Namespace) -> int:
         print(f"node {args.node}: its member key held no session; deleted it.")
         return 0
     coordinator = state.leader is not None and state.leader_session == entry.session
+    member = Member.decode(entry)
+    # The drain request names the process (incarnation) to take out: the node refuses its next
+    # round and leaves for good, while a later process with the same node id may join again.
+    drain = Drain(node=args.node, incarnation=member.incarnation, by=f"consul-rdzv drain "
+                  f"({socket.gethostname()})", reason=args.reason, at=time.time())
+    client.kv_put(keys.drain(args.node), drain.encode())
     with contextlib.suppress(ConsulNotFound):
         client.session_destroy(entry.session)
     # Consul deletes the session's keys (Behavior delete) as part of destroying it; wait for it.
@@ -870,9 +876,9 @@ def cmd_drain(args: argparse.Namespace) -> int:
     else:
         print("It was waiting, not in the current round: the next round forms without it"
               + ("; another node becomes coordinator" if coordinator else "") + ".")
-    print("Its process is not stopped: if it keeps running it sees its session gone and joins "
-          "the next round with a new one. To keep it out, stop its torchrun agent (SIGTERM or "
-          "Ctrl-C: it leaves cleanly).")
+    print(f"The drained process (pid {member.pid} on {member.host}) refuses its next round and "
+          "leaves the run for good, as if stopped (its torchrun agent exits with "
+          "RendezvousClosedError: drained). A new process with the same node id may join again.")
     return 0
 
 
@@ -1149,9 +1155,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reason", default="closed with consul-rdzv close",
                    help="why, shown in the error every node of the run gets")
     p = command("drain", cmd_drain, "take a node out of a run now, as if it stopped: its session "
-                "is destroyed and the job re-forms without it")
+                "is destroyed, the job re-forms without it, and its process leaves for good")
     run_arg(p)
     p.add_argument("node", metavar="NODE", help="the node id (as status shows it)")
+    p.add_argument("--reason", default="drained by an operator",
+                   help="why, shown in the error the drained node gets")
     p = command("gc", cmd_gc, "delete runs that ended (closed, no live node) or were abandoned "
                 "(no live node, no passing instance, idle for --older-than); a dry run unless "
                 "--yes")

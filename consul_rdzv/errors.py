@@ -7,7 +7,8 @@ maps those onto torch's own rendezvous errors::
     ConsulError                      anything the Consul HTTP API said or failed to say
     ├── ConsulConfigError            bad address, unreadable token/cert file (also a ValueError)
     ├── ConsulUnavailableError       refused, reset, timed out, 5xx, "No cluster leader" (retried)
-    ├── ConsulPermissionDenied       403: the message names the ACL rule that is missing
+    ├── ConsulPermissionDenied       403, or a txn operation denied by ACLs (409): the message
+    │                                names the ACL rule that is missing (or the unknown token)
     ├── ConsulNotFound               404 where the call needs the thing to exist
     ├── ConsulBadRequest             400/413: Consul's own text is in the message
     ├── ConsulSessionInvalid         the session used no longer exists (invalidated or destroyed)

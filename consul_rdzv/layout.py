@@ -7,6 +7,7 @@
 | ``P/members/<node_id>`` | the node, locked by its session (deleted with it) | :class:`Member` |
 | ``P/round/leader`` | the coordinator, locked by its session | :class:`Leader` |
 | ``P/round/current`` | the coordinator (CAS), and ``close()`` (CAS) | :class:`Round` |
+| ``P/drain/<node_id>`` | an operator (``consul-rdzv drain``) | :class:`Drain` |
 
 Values are JSON objects carrying ``"v": 1``; anything else under the prefix is rejected with a
 ``RendezvousStateError`` that names the key. Never pickle.
@@ -31,9 +32,13 @@ class Keys:
         self.round_dir = f"{prefix}/round/"
         self.leader = f"{prefix}/round/leader"
         self.round = f"{prefix}/round/current"
+        self.drains = f"{prefix}/drain/"
 
     def member(self, node_id: str) -> str:
         return self.members + node_id
+
+    def drain(self, node_id: str) -> str:
+        return self.drains + node_id
 
     def __repr__(self) -> str:
         return f"Keys({self.prefix!r})"
@@ -177,6 +182,28 @@ class Round:
 
 
 @dataclass
+class Drain:
+    """An operator's request that one process of a node leave the run for good."""
+
+    node: str
+    incarnation: str = ""  # the process to drain ("": any process with this node id)
+    by: str = ""
+    reason: str = ""
+    at: float = 0.0
+    modify_index: int = field(default=0, compare=False)
+
+    def encode(self) -> bytes:
+        return _encode(self, skip=("modify_index",))
+
+    @classmethod
+    def decode(cls, entry: KVEntry) -> Drain:
+        data = _decode(entry, "drain")
+        return cls(node=str(data.get("node", "")), incarnation=str(data.get("incarnation", "")),
+                   by=str(data.get("by", "")), reason=str(data.get("reason", "")),
+                   at=float(data.get("at", 0.0)), modify_index=entry.modify_index)
+
+
+@dataclass
 class RunState:
     """Everything under ``P/`` at one index."""
 
@@ -184,6 +211,7 @@ class RunState:
     leader: Leader | None = None
     leader_session: str | None = None
     round: Round | None = None
+    drains: dict[str, Drain] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, keys: Keys, entries: list[KVEntry]) -> RunState:
@@ -204,6 +232,9 @@ class RunState:
                     state.leader = Leader.decode(entry)
             elif entry.key == keys.round:
                 state.round = Round.decode(entry)
+            elif entry.key.startswith(keys.drains) and not entry.key.endswith("/"):
+                drain = Drain.decode(entry)
+                state.drains[entry.key[len(keys.drains):]] = drain
             elif entry.key.endswith("/"):
                 continue  # folder markers made by the UI
             else:

@@ -445,7 +445,8 @@ class ConsulRendezvous:
         key = self.keys.member(self.node_id)
         for _ in range(3):
             ops = [txn_kv("lock", key, value=self._member().encode(), session=session),
-                   txn_kv("get-tree", self.keys.round_dir)]
+                   txn_kv("get-tree", self.keys.round_dir),
+                   txn_kv("get-tree", self.keys.drain(self.node_id))]
             try:
                 res = self.client.txn(ops, deadline=self._op_deadline(deadline))
             except ConsulTxnConflict as exc:
@@ -457,8 +458,26 @@ class ConsulRendezvous:
             except ConsulSessionInvalid as exc:
                 raise _Rejoin(str(exc)) from exc
             entries = [e for e in res.data[1:] if e is not None]
-            return res.data[0].modify_index, RunState.parse(self.keys, entries)
+            state = RunState.parse(self.keys, entries)
+            self._check_drained(state, deadline)
+            return res.data[0].modify_index, state
         raise _Rejoin(f"could not lock {key} after taking it over")
+
+    def _check_drained(self, state: RunState, deadline: float) -> None:
+        """An operator drained this process (``consul-rdzv drain``): leave for good."""
+        drain = state.drains.get(self.node_id)
+        if drain is None or drain.incarnation not in ("", self.incarnation.id):
+            return
+        self._drop_member()
+        with contextlib.suppress(ConsulError):
+            self.client.txn([txn_kv("delete-cas", self.keys.drain(self.node_id),
+                                    index=drain.modify_index)],
+                            deadline=self._op_deadline(deadline))
+        raise RendezvousClosedError(
+            f"Node {self.node_id} was drained from run {self.run_id} by {drain.by or '?'}"
+            f"{' (' + drain.reason + ')' if drain.reason else ''}: it leaves the run for good, "
+            "the others go on without it. Start it again (a new process) to rejoin."
+        )
 
     def _take_over(self, holder: Member, holder_session: str, deadline: float) -> None:
         """Our member key is held by another live session: take it over, or refuse."""

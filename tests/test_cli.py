@@ -285,14 +285,25 @@ def test_watch_text_frames_and_ctrl_c_exits_0(agent, run, prefix):
 
 
 def test_drain_takes_a_node_out_and_the_job_reforms(agent, run, prefix):
-    nodes = training(run, 3)
+    nodes = [run.node(f"node-{i}", run.settings(min_nodes=2, max_nodes=3)) for i in range(3)]
+    run.rounds(nodes, 30)
     victim, others = nodes[2], nodes[:2]
-    proc = cli("drain", run.run_id, victim.node_id, "--key-prefix", prefix)
+    proc = cli("drain", run.run_id, victim.node_id, "--key-prefix", prefix,
+               "--reason", "bad GPU")
     assert proc.returncode == 0, proc.stderr
-    assert "re-rendezvous" in proc.stdout and "not stopped" in proc.stdout, proc.stdout
+    assert "re-rendezvous" in proc.stdout and "leaves the run for good" in proc.stdout, \
+        proc.stdout
     assert victim.node_id not in run.members()
     wait_for(lambda: all(n.num_nodes_waiting() >= 1 for n in others), 10,
              "the others see the drained node gone")
+    # the drained process leaves for good, as if stopped: its next round is refused, the
+    # others re-form without it, and its drain request is consumed
+    with pytest.raises(RendezvousClosedError, match=r"was drained .*\(bad GPU\)"):
+        victim.next_round()
+    second = run.rounds(others, timeout=30)
+    assert {r.world_size for r in second.values()} == {2}
+    assert victim.node_id not in run.members()
+    assert run.admin.kv_keys(f"{run.keys.prefix}/drain/") == []
     missing = cli("drain", run.run_id, "nobody", "--key-prefix", prefix)
     assert "is not in run" in one_error_line(missing, "drain")
 
