@@ -988,6 +988,42 @@ def _demo_conf(args: argparse.Namespace, node: int) -> str:
     return ",".join(conf)
 
 
+class _DemoProgress:
+    """What the demo shows while its job runs: the nodes' own consul-rdzv lines (rounds, waits)
+    from their logs, and the training's progress (every quarter of the steps)."""
+
+    def __init__(self, out: Path, nodes: int, steps: int) -> None:
+        self.out, self.nodes, self.steps = out, nodes, steps
+        self.offsets: dict[Path, int] = {}
+        self.quarter = 0
+
+    def _new_lines(self, path: Path) -> list[str]:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                fh.seek(self.offsets.get(path, 0))
+                text = fh.read()
+        except OSError:
+            return []
+        complete = text[:text.rfind("\n") + 1]
+        self.offsets[path] = self.offsets.get(path, 0) + len(complete.encode())
+        return complete.splitlines()
+
+    def show(self) -> None:
+        for i in range(self.nodes):
+            for line in self._new_lines(self.out / f"agent-{i}.log"):
+                if "consul_rdzv/" in line and "] " in line:
+                    print(f"  node {i}: {line.split('] ', 1)[1]}", flush=True)
+        for line in self._new_lines(self.out / "progress.jsonl"):
+            with contextlib.suppress(ValueError, KeyError):
+                event = json.loads(line)
+                if event["event"] == "step" and event["rank"] == 0:
+                    quarter = 4 * (event["step"] + 1) // max(1, self.steps)
+                    if quarter > self.quarter:
+                        self.quarter = quarter
+                        print(f"  training: step {event['step'] + 1}/{self.steps} in a world "
+                              f"of {event['world_size']}", flush=True)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """``demo``: a real torchrun job of ``--nodes`` nodes on this machine."""
     script = EXAMPLES / "train.py"
@@ -1019,15 +1055,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
                    "--rdzv-backend=consul", f"--rdzv-id={run_id}",
                    f"--rdzv-endpoint={url}", "--local-addr=127.0.0.1",
                    f"--rdzv-conf={_demo_conf(args, i)}",
-                   str(script), "--steps", str(args.steps), "--out", out]
+                   str(script), "--steps", str(args.steps), "--out", out,
+                   "--progress-file", str(Path(out) / "progress.jsonl")]
             log = open(Path(out) / f"agent-{i}.log", "w")  # noqa: SIM115 - closed below
             procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT),
                           log))
+        progress = _DemoProgress(Path(out), args.nodes, args.steps)
+        deadline = time.monotonic() + args.timeout
+        while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+            progress.show()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                procs[0][0].wait(timeout=0.5)
+        progress.show()
         failed = 0
         for i, (proc, log) in enumerate(procs):
-            try:
-                proc.wait(timeout=args.timeout)
-            except subprocess.TimeoutExpired:
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait()
             log.close()
