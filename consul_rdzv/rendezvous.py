@@ -273,7 +273,7 @@ class ConsulRendezvous:
         try:
             self.registration.ensure(deadline)
         except ConsulError as exc:
-            raise self._connection_error("register in Consul", exc) from exc
+            raise self._connection_error("register its service and session", exc) from exc
 
     def num_nodes_waiting(self) -> int:
         """See module docstring: a local read, no Consul request."""
@@ -296,7 +296,7 @@ class ConsulRendezvous:
         try:
             res = self.client.kv_get(self.keys.round, deadline=self._op_deadline())
         except ConsulError as exc:
-            raise self._connection_error("read the run state", exc) from exc
+            raise self._connection_error("read the state of the run", exc) from exc
         return bool(res.data and Round.decode(res.data).closed)
 
     def close(self, reason: str = "closed", *, timeout: float | None = None) -> None:
@@ -336,7 +336,7 @@ class ConsulRendezvous:
                         "kept changing."
                     )
         except ConsulError as exc:
-            raise self._connection_error("close the run", exc) from exc
+            raise self._connection_error("close it", exc) from exc
 
     def leave(self, *, timeout: float | None = None) -> bool:
         """Leave cleanly: release keys, deregister the service, destroy the session.
@@ -411,8 +411,8 @@ class ConsulRendezvous:
 
     def _connection_error(self, what: str, exc: ConsulError) -> RendezvousConnectionError:
         return RendezvousConnectionError(
-            f"Node {self.node_id} could not {what} of run {self.run_id} in Consul at "
-            f"{self.client.config.url}: {exc}"
+            f"Node {self.node_id} of run {self.run_id} could not {what} (Consul at "
+            f"{self.client.config.url}): {exc}"
         )
 
     def _on_lost(self, reason: str) -> None:

@@ -240,7 +240,8 @@ class ConsulRendezvousHandler(RendezvousHandler):
         except errors.RendezvousError as exc:
             if isinstance(exc, errors.RendezvousConnectionError):
                 self._consul_failure = exc
-            raise _to_torch(exc) from exc
+            # torch prints the traceback: our message says it all, no doubled chain
+            raise _to_torch(exc) from None
         self._consul_failure = None
         return result
 
@@ -364,14 +365,16 @@ class ConsulRendezvousHandler(RendezvousHandler):
         try:
             return self._rdzv.is_closed()
         except errors.RendezvousError as exc:
-            raise _to_torch(exc) from exc
+            # torch prints the traceback: our message says it all, no doubled chain
+            raise _to_torch(exc) from None
 
     def set_closed(self) -> None:
         """See base class."""
         try:
             self._rdzv.close("set_closed() called by the torch agent")
         except errors.RendezvousError as exc:
-            raise _to_torch(exc) from exc
+            # torch prints the traceback: our message says it all, no doubled chain
+            raise _to_torch(exc) from None
 
     def num_nodes_waiting(self) -> int:
         """See base class."""
