@@ -21,6 +21,15 @@ How it fails, and what the caller must watch for:
   the predecessor's session at once and deletes its keys, so the replacement takes over without
   waiting for a TTL. A process that finds its service taken by a newer incarnation was replaced:
   :meth:`Registration.ensure` raises instead of taking it back (no ping-pong).
+* **One agent.** A TTL check lives on the agent that registered it. An endpoint that reaches
+  several agents (a load balancer in front of the servers) sends some passes elsewhere: they get
+  a 404, or keep a stray copy of the registration alive while the real check lapses. When a pass
+  answers 404 (the first pass goes out at once), a session create keeps answering "Missing
+  check", or the registration is lost although every pass succeeded, the node looks at the
+  agent(s) behind its endpoint, each look on a new connection; if one agent there lacks the
+  registration while another holds it, the node stops for good with a
+  :class:`ConsulConfigError` naming the cause and the fix (no re-registration loop):
+  :meth:`Registration.ensure` raises it, and the session is destroyed at once.
 """
 
 from __future__ import annotations
@@ -37,9 +46,11 @@ from dataclasses import dataclass
 from .client import ConsulClient
 from .errors import (
     ConsulBadRequest,
+    ConsulConfigError,
     ConsulError,
     ConsulNotFound,
     ConsulSessionInvalid,
+    ConsulUnavailableError,
     RendezvousStateError,
 )
 from .settings import RendezvousSettings
@@ -48,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 #: Deregister a service whose check stayed critical this long (its node is long dead).
 DEREGISTER_CRITICAL_AFTER = "1m"
+#: How many times a node looks, each on a new connection, at the agent(s) behind its endpoint
+#: when a heartbeat suggests that it reaches several (see Registration._agents_spread).
+AGENT_LOOKS = 4
 
 
 def _utc_now() -> str:
@@ -112,6 +126,17 @@ class Registration:
         self._note = "joining"
         self._port: int | None = None
         self._last_pass = 0.0
+        #: Longest time between two successful passes since the session was created: a loss
+        #: that this cannot explain (shorter than the TTL) is looked into (see _check_agents).
+        self._max_gap = 0.0
+        #: A pass answered 404: ensure() or the keep thread looks at the agents behind the
+        #: endpoint (see _agents_spread).
+        self._suspect = False
+        self._misconfigured: ConsulConfigError | None = None
+        self._first_looked = False
+        self._refuse_lock = threading.Lock()
+        #: Held while ensure() registers: no look at the agents may run meanwhile.
+        self._ensure_lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -132,6 +157,11 @@ class Registration:
     @property
     def lost_reason(self) -> str:
         return self._lost_reason
+
+    @property
+    def misconfigured(self) -> ConsulConfigError | None:
+        """Set when the endpoint turned out to reach several Consul agents (see module doc)."""
+        return self._misconfigured
 
     @property
     def seconds_since_pass(self) -> float:
@@ -189,15 +219,29 @@ class Registration:
     def ensure(self, deadline: float) -> str:
         """A live session bound to our passing check: the current one, or a new one.
 
-        Raises :class:`RendezvousStateError` if a newer process took this node id over.
+        Raises :class:`RendezvousStateError` if a newer process took this node id over, and
+        :class:`ConsulConfigError` if the endpoint reaches several Consul agents.
         """
+        with self._ensure_lock:
+            return self._ensure(deadline)
+
+    def _ensure(self, deadline: float) -> str:
         if self._replaced_by:
             raise self._replaced_error()
+        if self._misconfigured is not None:
+            raise self._misconfigured
         old = self._session
         if old is not None and not self._lost.is_set():
             return old
+        checked = False
+        if old is not None and (self._suspect or self._heartbeat_kept_up()):
+            # Lost although our passes kept the check alive (or one answered 404): another
+            # agent may hold it. Never register again through an endpoint that spreads us.
+            self._check_agents(deadline)
+            self._suspect = False
+            checked = True
         self._meta, self._note, self._port = {"state": "joining"}, "joining", None
-        if old is None or not self._check_still_registered(deadline):
+        if old is None or not self._check_still_registered(deadline, checked=checked):
             self.client.agent_service_register(self.definition(), deadline=deadline)
             self._published = self._shown()
             self._last_pass = time.monotonic()  # registered passing
@@ -210,8 +254,23 @@ class Registration:
         # old session (a failed probe of the old one would mark us lost again).
         self._session = session
         self._last_pass = time.monotonic()
+        self._max_gap = 0.0
         self._lost.clear()
         self._lost_reason = ""
+        if self._suspect:
+            # A pass (the first one goes out at once) was refused with a 404 while we
+            # registered: find out now, before this node announces itself, whether the
+            # endpoint spreads its requests over several agents.
+            self._suspect = False
+            self._check_agents(deadline)
+        elif old is None and not self._first_looked:
+            # Once per process: one look on a new connection, which a balancer per
+            # connection (a Kubernetes Service) is likely to send to another agent.
+            self._first_looked = True
+            detail = self._first_look(min(deadline,
+                                          time.monotonic() + self.settings.heartbeat_interval))
+            if detail is not None:
+                raise self._refuse(detail)
         if old is not None:
             # If the old session is in fact alive (our key was deleted by hand: a spurious
             # loss), it would keep holding the leader key or our member key: end it.
@@ -222,7 +281,7 @@ class Registration:
                      session)
         return session
 
-    def _check_still_registered(self, deadline: float) -> bool:
+    def _check_still_registered(self, deadline: float, *, checked: bool = False) -> bool:
         """After a lost session: pass our check; False if the agent forgot our service.
 
         A session usually dies because its check lapsed (late heartbeats on an overloaded agent)
@@ -236,10 +295,14 @@ class Registration:
             return True
         except ConsulNotFound:
             pass
+        if not checked:
+            self._check_agents(deadline)
         service = self.client.agent_service(self.service_id, deadline=deadline)
         if service is not None:
             holder = Incarnation.of(service.get("Meta"))
-            if holder > self.incarnation:
+            # Compare ids first: the meta's start time is rounded to the microsecond, so our
+            # own registration (held by another agent behind a balancer) could look newer.
+            if holder.id != self.incarnation.id and holder > self.incarnation:
                 meta = service.get("Meta") or {}
                 self._replaced_by = (f"pid {meta.get('pid', '?')} on host "
                                      f"{meta.get('host', '?')}")
@@ -253,27 +316,158 @@ class Registration:
             "concurrently running node a unique node id."
         )
 
+    # ------------------------------------------------------------------ one agent
+
+    def _heartbeat_kept_up(self) -> bool:
+        """True if every pass since the session was created came well within the TTL: a loss of
+        the registration is then not explained by our own heartbeat."""
+        ttl = self.settings.heartbeat_timeout
+        return self._max_gap < ttl and self.seconds_since_pass < ttl
+
+    def _check_agents(self, deadline: float) -> None:
+        """Raise :class:`ConsulConfigError` if the endpoint reaches several Consul agents.
+
+        Only evidence refuses; an inconclusive look (an error, a frozen agent) changes nothing.
+        Agent-local requests only, so it also works while the servers are slow or unreachable.
+        Never runs while this process registers its service (``_ensure_lock``): a registration
+        landing between two looks would pass for a second agent.
+        """
+        deadline = min(deadline, time.monotonic() + self.settings.heartbeat_interval)
+        detail = self._agents_spread(deadline)
+        if detail is not None:
+            raise self._refuse(detail)
+
+    def _holds_us(self, client: ConsulClient) -> bool | None:
+        """Does the agent that answers ``client`` hold this process's registration (our
+        incarnation in the service meta)? None if it could not tell. One attempt; one map
+        lookup on the agent (a filtered check list costs an agent with 1,000 checks 9 ms, this
+        1 ms), which needs only ``service:read`` on our service, as the job's token has."""
+        try:
+            service = client.agent_service(self.service_id, deadline=0.0)
+        except ConsulError as exc:
+            logger.debug("Node %s could not look at the agent behind %s: %s", self.node_id,
+                         self.client.config.url, exc)
+            return None
+        return service is not None and (
+            (service.get("Meta") or {}).get("incarnation") == self.incarnation.id)
+
+    def _fresh_look(self) -> bool | None:
+        """:meth:`_holds_us` on a new connection (a balancer sends each new connection, or
+        each request, elsewhere)."""
+        timeout = max(0.5, min(5.0, self.settings.heartbeat_interval))
+        look = ConsulClient(self.client.config, timeout=timeout, retry_timeout=0.0, pool_size=1)
+        try:
+            return self._holds_us(look)
+        finally:
+            look.close()
+
+    def _agents_spread(self, deadline: float, held: list[bool] | None = None) -> str | None:
+        """How the endpoint reaches several agents, or None if there is no evidence of it.
+
+        Looks :data:`AGENT_LOOKS` times, each on a new connection, whether the agent that
+        answers holds this process's registration (after the answers ``held`` already had).
+        One agent gives the same answer every time, except that it may forget the registration
+        between two looks (a restart, a newer process with our node id), never learn it (we do
+        not register meanwhile). So an agent without it answering before one with it means
+        several agents behind one address.
+        """
+        held = list(held or [])
+        for _ in range(AGENT_LOOKS):
+            if time.monotonic() >= deadline:
+                return None
+            answer = self._fresh_look()
+            if answer is None:
+                return None
+            held.append(answer)
+            if held[-1] and False in held[:-1]:
+                return (f"one agent there does not hold node {self.node_id}'s service and TTL "
+                        "check (a heartbeat that reaches it is refused with 404), another one "
+                        "does")
+        return None
+
+    def _first_look(self, deadline: float) -> str | None:
+        """Right after the first registration, one look on a new connection: on one agent it
+        finds the service we just registered, and that is all (one agent-local request, once
+        per process). If it does not, look on (:meth:`_agents_spread`), and last through the
+        connection we registered it through."""
+        if self._fresh_look() is not False:
+            return None
+        detail = self._agents_spread(deadline, held=[False])
+        if detail is None and self._holds_us(self.client):
+            detail = (f"a new connection reached an agent that does not know node "
+                      f"{self.node_id}'s service and TTL check, registered a moment before "
+                      "through another")
+        return detail
+
+    def _refuse(self, detail: str) -> ConsulConfigError:
+        """Stop for good: no re-registration through an endpoint that spreads us over agents.
+
+        Destroys the session (our keys go at once, so the others re-form without waiting for a
+        TTL) and stops passing the check (it lapses where it lives).
+        """
+        with self._refuse_lock:
+            if self._misconfigured is not None:
+                return self._misconfigured
+            url = self.client.config.url
+            self._misconfigured = ConsulConfigError(
+                f"Consul at {url} (CONSUL_HTTP_ADDR / --rdzv-endpoint) reaches several Consul "
+                f"agents (a load balancer?): {detail}. A TTL check lives on the agent that "
+                "registered it: heartbeats that reach another agent are refused (404) or keep a "
+                f"stray copy alive, so the check lapses and node {self.node_id} would be declared "
+                "dead again and again. Point each node at one agent, e.g. the local client agent "
+                "or one server (docs/deployment.md)."
+            )
+            error = self._misconfigured
+            session = self._session
+        logger.error("Node %s of run %s stops: %s", self.node_id, self.settings.run_id, error)
+        self._stop.set()
+        self._wake.set()
+        if not self._lost.is_set() and not self._closed:
+            self._lost_reason = str(error)
+            self._lost.set()
+            if self._on_lost:
+                self._on_lost(self._lost_reason)
+        if session is not None:
+            with contextlib.suppress(ConsulError):
+                self.client.session_destroy(
+                    session, deadline=time.monotonic() + self.settings.heartbeat_interval)
+        return error
+
     def _create_session(self, deadline: float) -> str:
         """Create our session bound to the TTL check.
 
         Consul refuses to bind a session to a critical check. The check was registered passing,
         but on a slow agent its TTL can run out before the session request is served, so pass
         it and ask again.
+
+        Consul also answers "Missing check ... registration" (retried) until our check reached
+        the catalog, and for good when the request reached an agent that does not hold the
+        check (an endpoint that reaches several agents): after one interval of retries, look
+        into that (:meth:`_check_agents`), then retry until ``deadline`` as before.
         """
-        for attempt in range(3):
+        looked = False
+        critical = 0
+        while True:
+            soon = min(deadline, time.monotonic() + self.settings.heartbeat_interval)
             try:
                 return self.client.session_create(
                     name=f"consul-rdzv {self.settings.run_id} {self.node_id}"[:128],
                     service_checks=[self.check_id], node_checks=["serfHealth"],
-                    behavior="delete", lock_delay="0s", deadline=deadline,
+                    behavior="delete", lock_delay="0s", deadline=deadline if looked else soon,
                 )
             except ConsulBadRequest as exc:
-                if "critical state" not in str(exc) or attempt == 2:
+                critical += 1
+                if "critical state" not in str(exc) or critical == 3:
                     raise
                 logger.warning("Node %s: its check went critical before its session was "
                                "created; passing it and trying again.", self.node_id)
                 self.client.agent_check_update(self.check_id, "pass", deadline=deadline)
-        raise AssertionError("unreachable")
+            except ConsulUnavailableError as exc:
+                if looked or time.monotonic() >= deadline:
+                    raise
+                looked = True
+                if "Missing check" in str(exc):
+                    self._check_agents(deadline)
 
     # ------------------------------------------------------------------ what an operator sees
 
@@ -343,7 +537,10 @@ class Registration:
         """Pass the check every interval: one attempt, bounded by the interval, nothing else."""
         interval = self.settings.heartbeat_interval
         ttl = self.settings.heartbeat_timeout
-        next_beat = time.monotonic() + interval
+        # The first pass goes out at once: through an endpoint that reaches several agents it is
+        # the request most likely to land on one that does not hold the check (a 404 that
+        # ensure() looks into before the node announces itself).
+        next_beat = time.monotonic()
         failures = 0
         while not self._stop.wait(max(0.0, next_beat - time.monotonic())):
             started = time.monotonic()
@@ -353,10 +550,13 @@ class Registration:
                 self.client.agent_check_update(self.check_id, "pass",
                                                note=f"{self._note} · heartbeat {_utc_now()}",
                                                deadline=started, timeout=interval)
+                self._max_gap = max(self._max_gap, started - self._last_pass)
                 self._last_pass = started
                 failures = 0
                 continue
             except ConsulNotFound as exc:
+                self._suspect = True  # ensure() or the keep thread asks which agent holds it
+                self._wake.set()
                 if self._session is not None:
                     self.mark_lost(f"its check is gone from the Consul agent ({exc})")
             except ConsulError as exc:
@@ -391,6 +591,15 @@ class Registration:
             if self._meta_due is not None and time.monotonic() >= self._meta_due:
                 self._meta_due = None
                 self._publish_now()
+            if (self._suspect and self._session is not None and self._misconfigured is None
+                    and self._ensure_lock.acquire(blocking=False)):
+                # A pass answered 404 after we registered (ensure() looks itself while it runs).
+                try:
+                    self._suspect = False
+                    with contextlib.suppress(ConsulConfigError):
+                        self._check_agents(time.monotonic() + interval)
+                finally:
+                    self._ensure_lock.release()
 
     def _probe(self) -> None:
         session = self._session

@@ -14,6 +14,7 @@ which is what a node sees when its network path to Consul breaks.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import socket
 import threading
@@ -112,6 +113,160 @@ class ConsulProxy:
         self._pool.clear()
 
     def __enter__(self) -> ConsulProxy:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RoundRobinProxy:
+    """A load balancer in front of several Consul agents: each new TCP connection
+    (``per="connection"``, an L4 balancer such as a Kubernetes Service) or each HTTP request
+    (``per="request"``, an L7 balancer) goes to the next upstream in turn.
+
+        with RoundRobinProxy([s.url for s in cluster.servers]) as lb:
+            client = ConsulClient(ConsulConfig.resolve(address=lb.url, env={}))
+
+    ``counts`` tells how many connections or requests each upstream got.
+    """
+
+    def __init__(self, upstreams: list[str], *, per: str = "connection") -> None:
+        if per not in ("connection", "request"):
+            raise ValueError(f"per must be 'connection' or 'request', not {per!r}")
+        if not upstreams:
+            raise ValueError("RoundRobinProxy needs at least one upstream")
+        self.upstreams = [u.rstrip("/") for u in upstreams]
+        self.per = per
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.address}"
+        self.counts: Counter[str] = Counter()
+        self._next = 0
+        self._lock = threading.Lock()
+        self._pool = urllib3.PoolManager(maxsize=256, retries=False)
+        self._listener: socket.socket | None = None
+        self._server: http.server.ThreadingHTTPServer | None = None
+        self._sockets: set[socket.socket] = set()
+
+    def _pick(self) -> str:
+        with self._lock:
+            upstream = self.upstreams[self._next % len(self.upstreams)]
+            self._next += 1
+            self.counts[upstream] += 1
+            return upstream
+
+    # ------------------------------------------------------------------ per connection
+
+    def _accept_loop(self) -> None:
+        while self._listener is not None:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            host, port = self._pick().split("://", 1)[-1].rsplit(":", 1)
+            try:
+                upstream = socket.create_connection((host, int(port)), timeout=5)
+            except OSError:
+                conn.close()
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._sockets.update((conn, upstream))
+            for src, dst in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                s.close()
+            with self._lock:
+                self._sockets.discard(s)
+
+    # ------------------------------------------------------------------ per request
+
+    def _http_server(self) -> http.server.ThreadingHTTPServer:
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in _HOP_HEADERS}
+                try:
+                    answer = proxy._pool.urlopen(
+                        self.command, proxy._pick() + self.path, body=body, headers=headers,
+                        redirect=False, preload_content=True,
+                        timeout=urllib3.Timeout(connect=5, read=400))
+                except urllib3.exceptions.HTTPError as exc:
+                    self.send_error(502, f"proxy: {exc}")
+                    return
+                self.send_response(answer.status)
+                for key, value in answer.headers.items():
+                    if key.lower() not in _HOP_HEADERS:
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(answer.data)))
+                self.end_headers()
+                self.wfile.write(answer.data)
+
+            do_GET = do_PUT = do_DELETE = do_POST = _forward
+
+            def log_message(self, *args) -> None:
+                pass
+
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+            def handle_error(self, request, client_address) -> None:
+                pass
+
+        return Server(("127.0.0.1", self.port), Handler)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> RoundRobinProxy:
+        if self.per == "request":
+            self._server = self._http_server()
+            threading.Thread(target=self._server.serve_forever, daemon=True,
+                             name=f"round-robin-{self.port}").start()
+        else:
+            self._listener = socket.create_server(("127.0.0.1", self.port), backlog=512,
+                                                  reuse_port=False)
+            threading.Thread(target=self._accept_loop, daemon=True,
+                             name=f"round-robin-{self.port}").start()
+        return self
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        with self._lock:
+            sockets, self._sockets = list(self._sockets), set()
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.close()
+        self._pool.clear()
+
+    def __enter__(self) -> RoundRobinProxy:
         return self.start()
 
     def __exit__(self, *exc) -> None:
