@@ -9,7 +9,8 @@ Requests are forwarded as they are (method, path, query, headers, body; blocking
 included). ``/v1/agent/...`` requests are answered by the agent itself; every other endpoint we
 use (KV, txn, sessions, health, catalog) is a server RPC, which a slow or electing cluster
 delays. A black-holed proxy keeps accepting connections and reading requests but never answers,
-which is what a node sees when its network path to Consul breaks.
+not even requests sent before the cut (a blocking query in flight), which is what a node sees
+when its network path to Consul breaks.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class ConsulProxy:
                 except urllib3.exceptions.HTTPError as exc:
                     self.send_error(502, f"proxy: {exc}")
                     return
+                # A cut holds answers already in flight too (a blocking query sent before the
+                # cut must not deliver its answer through it).
+                proxy._healed.wait()
                 self.send_response(answer.status)
                 for key, value in answer.headers.items():
                     if key.lower() not in _HOP_HEADERS:
