@@ -3,10 +3,13 @@
     python -m bench.report bench/results/<stamp>.jsonl            # print the markdown tables
     python -m bench.report bench/results/<stamp>.jsonl --docs     # also rewrite the docs
     python -m bench.report MAIN.jsonl --hosts HOSTS.jsonl --docs  # plus a --loopback-hosts run
+    python -m bench.report --before B.jsonl --after A.jsonl [A2.jsonl] --cluster C.jsonl --docs
 
 ``--docs`` replaces the parts of docs/benchmarks.md between the ``bench:begin``/``bench:end``
 (and ``bench-hosts:begin``/``bench-hosts:end``) markers; the prose around them stays. It redraws
-docs/benchmark-latency.png.
+docs/benchmark-latency.png. With ``--before``/``--after`` (two products measured by the same
+bench code, bench/product.py) and ``--cluster``, it writes the ``bench-compare`` block instead:
+before/after tables, the cluster scale tables, and the before/after plot.
 """
 
 from __future__ import annotations
@@ -493,8 +496,40 @@ def render(path: Path, *, plot_rel: str | None = None) -> str:
                    consul_breakdown(t, "failover"))
     out += section("Requests per survivor for the failover round:",
                    requests_table(t, "failover"))
+    out += single_run_extras(Path(path), meta)
     out += problems(runs, skips)
     return "\n".join(out)
+
+
+def single_run_extras(path: Path, meta: dict) -> list[str]:
+    """The SIGTERM failover, back-to-back rounds and Consul's own request counts of one file."""
+    rs = RunSet([path])
+    label = f"`{(meta.get('product') or {}).get('git_head') or '?'}`"
+    topo = None
+    out: list[str] = []
+    term = [r for r in rs.runs if r["scenario"] == "failover-term"]
+    if term:
+        out += ["### failover-term: SIGTERM of the victim's process (torch's `SignalException`, "
+                "then its atexit hooks); time from the signal until every survivor returned", "",
+                "| N | consul, rejoin on detection | consul, rejoin at the signal | c10d, at the "
+                "signal |", "|---|---|---|---|"]
+        for n in sorted({r["n"] for r in term}):
+            det = rs.select("failover-term", n, trigger="detect", topology=topo)
+            kill = rs.select("failover-term", n, trigger="kill", topology=topo)
+            c10d = rs.select("failover-term", n, backend="c10d", trigger="kill", topology=topo)
+            seen = _med([r.get("detect_first_s") for r in det if not _failed(r)])
+            cell = _runs_cell(det) + (f"; seen {seen:.2f}" if det and seen is not None else "")
+            out.append(f"| {n} | {cell} | {_runs_cell(kill)} | {_runs_cell(c10d)} |")
+        out.append("")
+    if rs.select("backtoback", topology=topo):
+        out += ["### backtoback: each round's time from the last node's entry \u00b7 "
+                "Consul-counted requests per node besides check passes", ""]
+        out += compare_b2b([(label, rs)], topology=topo)
+    if any(isinstance(r.get("consul_requests"), dict) for r in rs.runs):
+        out += ["### Requests per node counted by Consul (`consul_api_http_count`): fixed, one "
+                "round from handler creation", ""]
+        out += compare_requests(RunSet([]), rs, "-", label.strip("`"), topology=topo)
+    return out
 
 
 def plot(path: Path, extra: Path | None = None, target: Path = PLOT) -> Path | None:
@@ -608,16 +643,588 @@ def write_docs(path: Path | None, hosts: Path | None = None) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.report")
-    p.add_argument("results", help="a bench/results/*.jsonl file")
+    p.add_argument("results", nargs="?", help="a bench/results/*.jsonl file")
+    p.add_argument("--before", nargs="*", default=[],
+                   help="before/after report: runs of the old product (bench.run --product)")
+    p.add_argument("--after", nargs="*", default=[], help="... runs of the new product")
+    p.add_argument("--cluster", nargs="*", default=[],
+                   help="... runs on a cluster (bench.run --cluster-clients)")
     p.add_argument("--hosts", default=None,
                    help="a --loopback-hosts run: its tables go to their own block of the docs "
                         "and consul's series are overlaid on the plot")
     p.add_argument("--docs", action="store_true")
     args = p.parse_args(argv)
+    if args.before or args.after:
+        paths = [[Path(x) for x in group] for group in (args.before, args.after, args.cluster)]
+        print(render_compare(*paths))
+        if args.docs:
+            write_compare_docs(*paths)
+        return 0
+    if not args.results:
+        p.error("give a results file, or --before/--after")
     print(render(Path(args.results)))
     if args.docs:
         write_docs(Path(args.results), Path(args.hosts) if args.hosts else None)
     return 0
+
+
+
+# =========================================================================== before / after
+
+#: Goals of issues 11 and 12 (docs/benchmarks.md judges them from these tables).
+HEARTBEAT_TTL = 5.0
+
+
+class RunSet:
+    """Runs of several JSON lines files, each run tagged with its file's product and topology."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.metas: list[dict] = []
+        self.runs: list[dict] = []
+        for path in paths:
+            meta, runs, _ = load(path)
+            product = (meta.get("product") or {}).get("git_head") or "?"
+            self.metas.append({**meta, "_file": Path(path).name})
+            for r in runs:
+                r["_product"] = product
+                r["_file"] = Path(path).name
+                r.setdefault("topology", "single")
+                self.runs.append(r)
+
+    def products(self) -> list[str]:
+        seen: list[str] = []
+        for m in self.metas:
+            p = (m.get("product") or {}).get("git_head") or "?"
+            if p not in seen:
+                seen.append(p)
+        return seen
+
+    def select(self, scenario: str, n: int | None = None, *, backend: str = "consul",
+               trigger: str | None = None, topology: str | None = "single",
+               agents: int | None = None, product: str | None = None,
+               ok: bool = False) -> list[dict]:
+        out = []
+        for r in self.runs:
+            if r["scenario"] != scenario or r["backend"] != backend:
+                continue
+            if r.get("layout", "spread") != "spread":
+                continue
+            if trigger is not None and r.get("trigger") != trigger:
+                continue
+            if n is not None and r["n"] != n:
+                continue
+            if topology is not None and r.get("topology", "single") != topology:
+                continue
+            if agents is not None and r.get("agents") != agents:
+                continue
+            if product is not None and r["_product"] != product:
+                continue
+            if ok and r.get("status") != "ok":
+                continue
+            out.append(r)
+        return out
+
+    def sizes(self, scenario: str, **kw) -> list[int]:
+        return sorted({r["n"] for r in self.select(scenario, **kw)})
+
+
+def _vals_cell(vals: list[float], bad: int = 0, warn: bool = False, unit: str = "s") -> str:
+    if not vals:
+        return ("failed" if bad else "") + (" ⚠" if warn else "")
+    text = _fmt(statistics.median(vals), unit)
+    if len(vals) > 1:
+        text += f" [{_fmt(min(vals), unit, False)}\u2013{_fmt(max(vals), unit, False)}]"
+        text += f" ({len(vals)})"
+    if bad:
+        text += f" + {bad} failed"
+    return text + (" ⚠" if warn else "")
+
+
+def _failed(r: dict) -> bool:
+    """A run that timed out, or in which a node raised (the round did not complete for all)."""
+    return r.get("status") != "ok" or any("raised" in v for v in r.get("violations") or [])
+
+
+def _runs_cell(runs: list[dict], field: str = "latency_s") -> str:
+    vals = [r[field] for r in runs if not _failed(r) and r.get(field) is not None]
+    bad = sum(1 for r in runs if _failed(r))
+    warn = any(r.get("violations") for r in runs)
+    return _vals_cell(vals, bad, warn)
+
+
+def _med(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _num(v: float | None, fmt: str = "{:.1f}") -> str:
+    return "" if v is None else fmt.format(v)
+
+
+def _counted(runs: list[dict], key: str, field: str) -> float | None:
+    return _med([(r.get(key) or {}).get(field) for r in runs if isinstance(r.get(key), dict)])
+
+
+def _pass_rate(runs: list[dict], key: str = "consul_requests") -> float | None:
+    """Check passes per node per second, pooled over the runs' windows (a pass every
+    keep_alive_interval: a window of one or two intervals says little on its own)."""
+    passes = node_seconds = 0.0
+    for r in runs:
+        c = r.get(key)
+        if isinstance(c, dict) and c.get("seconds") and "passes" in c:
+            passes += c["passes"]
+            node_seconds += c["nodes"] * c["seconds"]
+    return passes / node_seconds if node_seconds else None
+
+
+def compare_fixed(before: RunSet, after: RunSet, pb: str, pa: str) -> list[str]:
+    sizes = sorted(set(before.sizes("fixed")) | set(after.sizes("fixed")))
+    lines = [f"| N | before (`{pb}`) | after (`{pa}`) | c10d (in the after run) | "
+             "after : c10d | before : after |", "|---|---|---|---|---|---|"]
+    for n in sizes:
+        b, a = before.select("fixed", n), after.select("fixed", n)
+        c = after.select("fixed", n, backend="c10d", topology=None)
+        mb = _med([r["latency_s"] for r in b if r.get("status") == "ok" and r.get("latency_s")])
+        ma = _med([r["latency_s"] for r in a if r.get("status") == "ok" and r.get("latency_s")])
+        mc = _med([r["latency_s"] for r in c if r.get("status") == "ok" and r.get("latency_s")])
+        ratio = f"1 : {mc / ma:.1f}" if ma and mc else ""
+        speed = f"{mb / ma:.2f} : 1" if ma and mb else ""
+        lines.append(f"| {n} | {_runs_cell(b)} | {_runs_cell(a)} | {_runs_cell(c)} | {ratio} "
+                     f"| {speed} |")
+    return [*lines, ""]
+
+
+def compare_breakdown(sets: list[tuple[str, RunSet]], scenario: str = "fixed",
+                      topology: str = "single") -> list[str]:
+    lines = ["| N | version | round sealed | every `next_round()` returned | every "
+             "`next_rendezvous()` returned | agent CPU s | client CPU s | foreign CPU (cores) |",
+             "|---|---|---|---|---|---|---|---|"]
+    sizes = sorted({n for _, s in sets for n in s.sizes(scenario, topology=topology)})
+    for n in sizes:
+        for label, s in sets:
+            runs = s.select(scenario, n, topology=topology, ok=True)
+            if not runs:
+                continue
+
+            def m(field, runs=runs):
+                return _med([r.get(field) for r in runs])
+
+            foreign = _med([r["foreign_cpu_s"] / r["machine_cpu_s"] * 2 for r in runs
+                            if r.get("foreign_cpu_s") is not None and r.get("machine_cpu_s")])
+            lines.append(f"| {n} | {label} | {_num(m('sealed_s'), '{:.3f}')} | "
+                         f"{_num(m('released_s'), '{:.3f}')} | {_num(m('latency_s'), '{:.3f}')} "
+                         f"| {_num(m('server_cpu_s'), '{:.2f}')} | "
+                         f"{_num(m('client_cpu_s'), '{:.2f}')} | {_num(foreign, '{:.2f}')} |")
+    return [*lines, ""]
+
+
+def compare_failover(before: RunSet, after: RunSet, pb: str, pa: str,
+                     topology: str = "single") -> list[str]:
+    lines = ["| N | survivors rejoin | SIGKILL: before | SIGKILL: after | SIGTERM: before | "
+             "SIGTERM: after | c10d SIGKILL | c10d SIGTERM |", "|---|---|---|---|---|---|---|---|"]
+    sizes = sorted(set(before.sizes("failover", topology=topology))
+                   | set(after.sizes("failover", topology=topology))
+                   | set(before.sizes("failover-term", topology=topology))
+                   | set(after.sizes("failover-term", topology=topology)))
+    for n in sizes:
+        for trigger, name in (("detect", "on detection"), ("kill", "at the signal")):
+            cells = []
+            for s, scenario in ((before, "failover"), (after, "failover"),
+                                (before, "failover-term"), (after, "failover-term")):
+                runs = s.select(scenario, n, trigger=trigger, topology=topology)
+                cell = _runs_cell(runs)
+                seen = _med([r.get("detect_first_s") for r in runs if r.get("status") == "ok"])
+                if cell and trigger == "detect" and seen is not None:
+                    cell += f"; seen {seen:.2f}"
+                cells.append(cell)
+            for scenario in ("failover", "failover-term"):
+                runs = after.select(scenario, n, backend="c10d", trigger="kill",
+                                    topology=None) if trigger == "kill" else []
+                cells.append(_runs_cell(runs))
+            if any(cells):
+                lines.append(f"| {n} | {name} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def victim_lines(after: RunSet) -> list[str]:
+    runs = [r for r in after.select("failover-term") if isinstance(r.get("victim_exit"), dict)]
+    exits = [r["victim_exit"]["exited_s"] for r in runs if "exited_s" in r["victim_exit"]]
+    atexit = [r["victim_exit"]["atexit_s"] for r in runs if "atexit_s" in r["victim_exit"]]
+    left = sum(1 for r in runs if all(r["victim_exit"].get("left") or [False]))
+    if not exits:
+        return []
+    return [f"SIGTERM victim (after): its atexit leave took median "
+            f"{statistics.median(atexit):.2f} s "
+            f"[{min(atexit):.2f}\u2013{max(atexit):.2f}], the process was gone "
+            f"{statistics.median(exits):.2f} s after the signal; its node had left in {left} of "
+            f"{len(runs)} runs.", ""]
+
+
+def compare_requests(before: RunSet, after: RunSet, pb: str, pa: str,
+                     topology: str = "single") -> list[str]:
+    """Consul-counted requests per node, fixed scenario."""
+    lines = ["| N | version | all | TTL check passes | the rest | of which registration | "
+             "check passes per node per s | product's own count (`RoundResult.requests`, "
+             "median / max) |", "|---|---|---|---|---|---|---|---|"]
+    sizes = sorted(set(before.sizes("fixed", topology=topology))
+                   | set(after.sizes("fixed", topology=topology)))
+    for n in sizes:
+        for label, s in ((f"before `{pb}`", before), (f"after `{pa}`", after)):
+            runs = s.select("fixed", n, topology=topology)
+            runs = [r for r in runs if not _failed(r) and isinstance(r.get("consul_requests"), dict)
+                    and "per_node" in r["consul_requests"]]
+            if not runs:
+                continue
+            prod = [r.get("product_requests") for r in runs if r.get("product_requests")]
+            own = (f"{_med([p['median'] for p in prod]):.0f} / {_med([p['max'] for p in prod]):.0f}"
+                   if prod else "")
+            lines.append(
+                f"| {n} | {label} | {_num(_counted(runs, 'consul_requests', 'per_node'))} | "
+                f"{_num(_counted(runs, 'consul_requests', 'passes_per_node'))} | "
+                f"{_num(_counted(runs, 'consul_requests', 'rest_per_node'))} | "
+                f"{_num(_counted(runs, 'consul_requests_registration', 'rest_per_node'))} | "
+                f"{_num(_pass_rate(runs), '{:.2f}')} | "
+                f"{own} |")
+    return [*lines, ""]
+
+
+def compare_b2b(sets: list[tuple[str, RunSet]], topology: str = "single") -> list[str]:
+    """Back-to-back rounds: each round's time (from the last entry) and Consul-counted requests
+    per node besides check passes."""
+    lines = ["| N | version | round 1 (all at once) | round 2 | round 3 | round 4 | rounds 2-4: "
+             "requests per node per round (besides check passes) | check passes per node "
+             "per s | slowest round 2-4, from the first entry |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    sizes = sorted({n for _, s in sets for n in s.sizes("backtoback", topology=topology)})
+    for n in sizes:
+        for label, s in sets:
+            runs = s.select("backtoback", n, topology=topology)
+            if not runs:
+                continue
+            good = [r for r in runs if r.get("status") == "ok"]
+            bad = len(runs) - len(good)
+            r1_t = _med([r.get("r1_latency_s") for r in good])
+            r1_q = _med([(r.get("r1_consul_requests") or {}).get("rest_per_node") for r in good])
+            cells = [f"{_num(r1_t, '{:.3f}')} s · {_num(r1_q)} req" if r1_t is not None else ""]
+            per_round_rest = []
+            firsts = []
+            for phase in (2, 3, 4):
+                rows = [x for r in good for x in r.get("b2b_rounds") or []
+                        if x.get("phase") == phase]
+                t = [x.get("from_last_entry_s") for x in rows]
+                q = [(x.get("consul_requests") or {}).get("rest_per_node") for x in rows]
+                firsts += [x.get("from_first_entry_s") for x in rows]
+                per_round_rest += [v for v in q if v is not None]
+                tv = [v for v in t if v is not None]
+                cell = ""
+                if tv:
+                    cell = _fmt(statistics.median(tv), "s")
+                    if len(tv) > 1:
+                        cell += f" [{_fmt(min(tv), 's', False)}\u2013{_fmt(max(tv), 's', False)}]"
+                    cell += f" · {_num(_med(q))} req"
+                cells.append(cell)
+            mean_rest = (sum(per_round_rest) / len(per_round_rest)) if per_round_rest else None
+            rate = _pass_rate(good)
+            first = max((v for v in firsts if v is not None), default=None)
+            lines.append(f"| {n} | {label}{f' ({bad} failed)' if bad else ''} | "
+                         + " | ".join(cells) + f" | {_num(mean_rest)} | {_num(rate, '{:.2f}')} | "
+                         f"{_num(first, '{:.2f}')} s |")
+    return [*lines, ""]
+
+
+def cluster_fixed(cluster: RunSet, single: list[tuple[str, RunSet]]) -> list[str]:
+    """Fixed rounds on one dev agent vs spread over client agents, N >= 128."""
+    lines = ["| N | where | nodes per agent | version | every `next_rendezvous()` returned, "
+             "median [min\u2013max] (runs) | round sealed | every `next_round()` returned | "
+             "requests per node besides passes (Consul-counted) | agents' CPU s | client CPU s "
+             "| foreign CPU s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for _, s in single:
+        for r in s.select("fixed", topology="single"):
+            groups[(r["n"], 1, "one dev agent", r["_product"])].append(r)
+    for r in cluster.select("fixed", topology="cluster"):
+        groups[(r["n"], r.get("agents") or 1,
+                f"cluster: 3 servers + {r.get('agents')} client agents", r["_product"])].append(r)
+    for (n, agents, where, product), runs in sorted(groups.items()):
+        if n < 128:
+            continue
+        good = [r for r in runs if not _failed(r)]
+        lines.append(
+            f"| {n} | {where} | {n // agents} | `{product}` | {_runs_cell(runs)} | "
+            f"{_num(_med([r.get('sealed_s') for r in good]), '{:.2f}')} | "
+            f"{_num(_med([r.get('released_s') for r in good]), '{:.2f}')} | "
+            f"{_num(_counted(good, 'consul_requests_round', 'rest_per_node'))} | "
+            f"{_num(_med([r.get('server_cpu_s') for r in runs]), '{:.1f}')} | "
+            f"{_num(_med([r.get('client_cpu_s') for r in runs]), '{:.1f}')} | "
+            f"{_num(_med([r.get('foreign_cpu_s') for r in runs]), '{:.1f}')} |")
+    return [*lines, ""]
+
+
+def cluster_failover(cluster: RunSet) -> list[str]:
+    lines = ["| N | where | version | SIGKILL, rejoin on detection: all back (death seen) | "
+             "SIGTERM, on detection |", "|---|---|---|---|---|"]
+    groups: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for scenario in ("failover", "failover-term"):
+        for r in cluster.select(scenario, trigger="detect", topology="cluster"):
+            groups[(r["n"], r.get("agents"), r["_product"])][scenario].append(r)
+    for (n, agents, product), by in sorted(groups.items()):
+        cells = []
+        for scenario in ("failover", "failover-term"):
+            runs = by.get(scenario, [])
+            cell = _runs_cell(runs)
+            seen = _med([r.get("detect_first_s") for r in runs if not _failed(r)])
+            if cell and seen is not None:
+                cell += f" (seen {seen:.2f})"
+            cells.append(cell)
+        lines.append(f"| {n} | cluster, {agents} client agents | `{product}` | "
+                     + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def cluster_resources(sets: list[tuple[str, RunSet]]) -> list[str]:
+    rss_s, rss_c, starts, agents = [], [], [], set()
+    for _, s in sets:
+        for r in s.runs:
+            srv = r.get("server") or {}
+            if srv.get("topology") != "cluster":
+                continue
+            rss_s += srv.get("server_rss_mb") or []
+            rss_c += srv.get("client_rss_mb") or []
+            if srv.get("start_s"):
+                starts.append(srv["start_s"])
+            agents.add(srv.get("clients"))
+    if not rss_c:
+        return []
+    return [f"Cluster agents (at the start of each run): servers {statistics.median(rss_s):.0f} MB "
+            f"RSS each, client agents {statistics.median(rss_c):.0f} MB each (median); a "
+            f"cluster of 3 + {max(a for a in agents if a)} was up in "
+            f"{statistics.median(starts):.1f} s (median).", ""]
+
+
+def load_summary(sets: list[tuple[str, RunSet]]) -> list[str]:
+    lines = []
+    for label, s in sets:
+        for meta in s.metas:
+            runs = [r for r in s.runs if r["_file"] == meta["_file"]]
+            foreign = load_lines(runs, meta)
+            product = meta.get("product") or {}
+            argv = " ".join(["python -m bench.run", *meta.get("argv", [])])
+            lines.append(f"- `{meta['_file']}` ({label}, consul_rdzv `{product.get('git_head')}`,"
+                         f" digest {product.get('consul_rdzv_sha256')}): `{argv}`")
+            if foreign:
+                lines.append("  " + foreign[0][2:])
+    return [*lines, ""]
+
+
+def render_compare(before: list[Path], after: list[Path], cluster: list[Path],
+                   plot_rel: str | None = None) -> str:
+    b, a = RunSet(before), RunSet(after)
+    c = RunSet(cluster) if cluster else None
+    pb, pa = "/".join(b.products()), "/".join(a.products())
+    out = []
+    meta = (a.metas or b.metas)[0]
+    m = meta.get("machine", {})
+    out += [machine_lines(meta)[0],
+            f"- Python {m.get('python')}, torch {m.get('torch')}, {m.get('consul')}", ""]
+    out += ["Runs (every line of every file is in the tables below; foreign CPU = what other "
+            "processes on this shared machine used while the rounds ran):", ""]
+    sets = [("before", b), ("after", a)] + ([("cluster", c)] if c else [])
+    out += load_summary(sets)
+    if plot_rel:
+        out += [f"![before/after]({plot_rel})", ""]
+    out += ["Cells: median [min\u2013max] (number of runs), seconds; `⚠` a run with an "
+            "invariant violation (listed at the end). All on one dev agent unless said otherwise.",
+            ""]
+    out += ["#### fixed: min = max = N, from the release until every `next_rendezvous()` "
+            "returned", ""]
+    out += compare_fixed(b, a, pb, pa)
+    out += ["Where the time goes (medians; seconds from the release):", ""]
+    out += compare_breakdown([(f"before `{pb}`", b), (f"after `{pa}`", a)])
+    out += ["#### failover: from the signal until every survivor returned from the next round "
+            f"(TTL {HEARTBEAT_TTL:g} s; \"seen\": the first survivor's `num_nodes_waiting() > 0`)",
+            ""]
+    out += compare_failover(b, a, pb, pa)
+    out += victim_lines(a)
+    out += ["#### Requests per node, counted by Consul (`consul_api_http_count`): fixed, one "
+            "round from handler creation (registration + round + its meta publish)", ""]
+    out += compare_requests(b, a, pb, pa)
+    out += ["#### back-to-back: round 1, then 3 rounds in which every node re-rendezvouses, "
+            "entering 20 ms apart (at most 0.64 s in all); each round: time from the last "
+            "node's entry until every node returned · Consul-counted requests per node besides "
+            "check passes", ""]
+    out += compare_b2b([(f"before `{pb}`", b), (f"after `{pa}`", a)])
+    if c:
+        out += ["#### scale: one dev agent vs a cluster of 3 servers and 16 client agents (each "
+                "worker process's nodes on one client agent), fixed, N >= 128", ""]
+        out += cluster_fixed(c, [("before", b), ("after", a)])
+        out += ["Failover on the cluster (one node's process SIGKILLed / SIGTERMed, TTL 5 s):", ""]
+        out += cluster_failover(c)
+        if c.select("backtoback", topology="cluster"):
+            out += ["Back-to-back on the cluster:", ""]
+            out += compare_b2b([(f"`{p}`", c) for p in c.products()
+                                if c.select("backtoback", topology="cluster", product=p)],
+                               topology="cluster")
+        out += cluster_resources([("cluster", c)])
+    out += compare_problems(sets)
+    return "\n".join(out)
+
+
+def compare_problems(sets: list[tuple[str, RunSet]]) -> list[str]:
+    bad = [(label, r) for label, s in sets for r in s.runs
+           if r.get("violations") or r.get("status") != "ok"]
+    if not bad:
+        return ["Invariants (ranks 0..W-1 unique, one world size, one round, one trainer-store "
+                "endpoint and one seal id per round; failover: W = N-1 without the victim, "
+                "round number up) held in every run of every file above.", ""]
+    lines = ["Runs with an invariant violation or an error (every one):", ""]
+    for label, r in bad:
+        text = "; ".join(" ".join(v.split())[:300] for v in r.get("violations") or [])
+        if r.get("status") != "ok":
+            phases = ", ".join(f"phase {k}: {v['ok']} returned ok"
+                               for k, v in (r.get("phases_returned") or {}).items())
+            where = f" ({phases} of N={r['n']})" if phases else ""
+            text = f"{r.get('status')}{where}" + (f"; {text}" if text else "")
+        lines.append(f"- {label} {r['_file']} {r['scenario']} {r.get('trigger') or ''} "
+                     f"N={r['n']} rep {r.get('rep')} ({r.get('topology')}): {text}")
+    return [*lines, ""]
+
+
+def plot_compare(before: list[Path], after: list[Path], cluster: list[Path],
+                 target: Path = PLOT) -> Path | None:
+    """Three panels: fixed latency vs N, failover vs N (SIGKILL/SIGTERM), back-to-back rounds."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        print("matplotlib missing: pip install -e '.[bench]'", file=sys.stderr)
+        return None
+    b, a = RunSet(before), RunSet(after)
+    c = RunSet(cluster) if cluster else None
+    pb, pa = "/".join(b.products()), "/".join(a.products())
+
+    failed_at: dict[str, list[int]] = {}
+
+    def series(s: RunSet, scenario: str, field: str = "latency_s", **kw):
+        ns, med, lo, hi = [], [], [], []
+        for n in s.sizes(scenario, **{k: v for k, v in kw.items() if k != "ok"}):
+            runs = s.select(scenario, n, **kw)
+            if any(_failed(r) for r in runs):
+                failed_at.setdefault(scenario, []).append(n)
+            vals = [r[field] for r in runs if not _failed(r) and r.get(field) is not None]
+            if vals:
+                m = statistics.median(vals)
+                ns.append(n)
+                med.append(m)
+                lo.append(m - min(vals))
+                hi.append(max(vals) - m)
+        return ns, med, [lo, hi]
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.6))
+    ax = axes[0]
+    for s, label, color, ls, kw in (
+        (b, f"consul before ({pb}), one agent", "tab:blue", "--", {}),
+        (a, f"consul after ({pa}), one agent", "tab:blue", "-", {}),
+        (a, "c10d (after's run)", "tab:red", "-", {"backend": "c10d", "topology": None}),
+    ):
+        ns, med, err = series(s, "fixed", **kw)
+        if ns:
+            ax.errorbar(ns, med, yerr=err, color=color, linestyle=ls, marker="o", markersize=4,
+                        capsize=2, linewidth=1.2, label=label)
+    if c:
+        for product in c.products():
+            ns, med, err = series(c, "fixed", topology="cluster", product=product)
+            if ns:
+                ax.errorbar(ns, med, yerr=err, color="tab:green" if product == pa else "tab:olive",
+                            linestyle="-" if product == pa else "--", marker="s", markersize=4,
+                            capsize=2, linewidth=1.2, label=f"consul {product}, cluster")
+    if failed_at.get("fixed"):
+        ns = sorted(set(failed_at["fixed"]))
+        ax.plot(ns, [60.0] * len(ns), linestyle="none", marker="X", color="black", markersize=7,
+                label="a run failed at this N (not plotted; see the tables)")
+    ax.set_title("fixed (min = max = N)", fontsize=10)
+    ax = axes[1]
+    for s, scenario, label, color, ls in (
+        (b, "failover", f"SIGKILL, before ({pb})", "tab:purple", "--"),
+        (a, "failover", f"SIGKILL, after ({pa})", "tab:purple", "-"),
+        (b, "failover-term", f"SIGTERM, before ({pb})", "tab:orange", "--"),
+        (a, "failover-term", f"SIGTERM, after ({pa})", "tab:orange", "-"),
+    ):
+        ns, med, err = series(s, scenario, trigger="detect")
+        if ns:
+            ax.errorbar(ns, med, yerr=err, color=color, linestyle=ls, marker="o", markersize=4,
+                        capsize=2, linewidth=1.2, label=label + ", rejoin on detection")
+    for scenario, marker in (("failover", "x"), ("failover-term", "+")):
+        ns, med, _ = series(a, scenario, backend="c10d", topology=None, trigger="kill")
+        if ns:
+            ax.plot(ns, med, color="tab:red", marker=marker, linestyle="none", markersize=8,
+                    label=f"c10d {'SIGKILL' if scenario == 'failover' else 'SIGTERM'}")
+    if c:
+        ns, med, err = series(c, "failover", trigger="detect", topology="cluster")
+        if ns:
+            ax.errorbar(ns, med, yerr=err, color="tab:green", marker="s", markersize=4,
+                        capsize=2, linewidth=1.2, label="SIGKILL, after, cluster")
+    if failed_at.get("failover"):
+        ns = sorted(set(failed_at["failover"]))
+        ax.plot(ns, [30.0] * len(ns), linestyle="none", marker="X", color="black", markersize=7,
+                label="a run failed at this N")
+    ax.axhline(HEARTBEAT_TTL + 1, color="gray", linestyle=":", linewidth=1)
+    ax.set_title("failover (from the signal; TTL 5 s)", fontsize=10)
+    ax = axes[2]
+    for s, label, color, ls in ((b, f"before ({pb})", "tab:blue", "--"),
+                                (a, f"after ({pa})", "tab:blue", "-")):
+        ns, slow = [], []
+        for n in s.sizes("backtoback"):
+            times = [x.get("from_last_entry_s") for r in s.select("backtoback", n, ok=True)
+                     for x in r.get("b2b_rounds") or []]
+            times = [t for t in times if t is not None]
+            if times:
+                ns.append(n)
+                slow.append(max(times))
+        if ns:
+            ax.plot(ns, slow, color=color, linestyle=ls, marker="o", markersize=4,
+                    label=f"slowest round 2-4, {label}")
+    ax.axhline(0.3, color="gray", linestyle=":", linewidth=1)
+    ax.set_title("back-to-back rounds (from the last entry)", fontsize=10)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("nodes N")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6.5)
+    axes[0].set_ylabel("seconds (median, min\u2013max)")
+    meta = (a.metas or b.metas)[0]
+    m = meta.get("machine", {})
+    fig.suptitle(f"consul-rdzv before/after, all nodes on one {m.get('cores')}-core machine "
+                 f"(shared), torch {m.get('torch')}, {m.get('consul')}", fontsize=10)
+    fig.tight_layout()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=80)
+    plt.close(fig)
+    try:  # a palette PNG is a third of the size: fit for committing
+        from PIL import Image
+
+        with Image.open(target) as img:
+            img.convert("RGB").quantize(colors=64).save(target, optimize=True)
+    except Exception:
+        pass
+    return target
+
+
+def write_compare_docs(before: list[Path], after: list[Path], cluster: list[Path]) -> None:
+    """Rewrite the ``bench-compare`` block of docs/benchmarks.md and the plot."""
+    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+    png = plot_compare(before, after, cluster)
+    rel = png.relative_to(DOCS.parent).as_posix() if png else None
+    text = _replace_block(text, "bench-compare",
+                          render_compare(before, after, cluster, plot_rel=rel))
+    DOCS.write_text(text)
 
 
 if __name__ == "__main__":

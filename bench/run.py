@@ -24,6 +24,20 @@ Scenarios (all servers fresh per run, all on 127.0.0.1):
   (polled at 0.1 s, torchrun's monitor loop) is > 0. Trigger ``kill``: survivors call it at the
   kill (as when their workers crash at once). c10d and etcd-v2 report only their wait list in
   ``num_nodes_waiting()``, never a dead participant, so they only have the ``kill`` trigger.
+* ``failover-term`` - the same, but the victim's process gets SIGTERM and exits as a torchrun
+  agent does: torch's handler raises ``SignalException`` in its main thread, the process unwinds
+  and its ``atexit`` hooks run (consul_rdzv.torch leaves from one). Time from the signal.
+* ``backtoback`` - min = max = N; round 1 as in ``fixed``, then every node re-rendezvouses
+  --b2b-rounds times, entering --b2b-stagger apart (at most --b2b-window in all: torchrun's
+  monitor loops notice a change at different moments). Per round: time from the last node's
+  entry (and from the first) until every node returned.
+
+Consul backends also count requests the way Consul does (``consul_api_http_count`` of the
+agent's ``/v1/agent/metrics``, read before and after): all requests, and TTL check passes (a
+cost per second) apart from the rest. ``--cluster-clients K`` runs consul on a ConsulCluster
+(``--cluster-servers`` servers, K client agents; each worker process talks to one client agent)
+instead of one dev agent. ``--product e2ac5ef`` measures another version of consul_rdzv with
+this bench code (bench/product.py).
 
 Raw figures: one JSON line per run in bench/results/<timestamp>.jsonl; tables: bench/report.py.
 """
@@ -32,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -44,7 +59,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -52,7 +67,8 @@ RESULTS = HERE / "results"
 
 ALL_BACKENDS = ("consul", "c10d", "etcd-v2")
 ALL_SIZES = (2, 8, 32, 64, 128, 256, 512, 1024)
-ALL_SCENARIOS = ("fixed", "lastcall", "failover")
+ALL_SCENARIOS = ("fixed", "lastcall", "failover", "failover-term", "backtoback")
+FAILOVERS = ("failover", "failover-term")
 HEARTBEAT_TIMEOUT = 5  # consul's heartbeat_timeout, set explicitly (it is also the default)
 #: torch's DynamicRendezvousHandler defaults (c10d, etcd-v2): keep_alive_interval=5 s,
 #: keep_alive_max_attempt=3 (a node is dead 15 s after its last keep-alive), last_call 30 s,
@@ -80,6 +96,19 @@ FULL_CAPS = {
     ("consul", "spread", "failover", "kill"): 128,
     ("c10d", "spread", "failover", "kill"): 64,
     ("etcd-v2", "spread", "failover", "kill"): 32,
+    # SIGTERM: c10d and etcd-v2 have no exit hook, so it is SIGKILL again: N=8 shows it.
+    ("consul", "threads", "failover-term", "detect"): 0,
+    ("consul", "threads", "failover-term", "kill"): 0,
+    ("c10d", "threads", "failover-term", "kill"): 0,
+    ("consul", "spread", "failover-term", "detect"): 256,
+    ("consul", "spread", "failover-term", "kill"): 128,
+    ("c10d", "spread", "failover-term", "kill"): 8,
+    ("etcd-v2", "spread", "failover-term", "kill"): 0,
+    ("consul", "spread", "backtoback", None): 128,
+    ("consul", "threads", "backtoback", None): 0,
+    ("c10d", "spread", "backtoback", None): 0,
+    ("c10d", "threads", "backtoback", None): 0,
+    ("etcd-v2", "spread", "backtoback", None): 0,
 }
 #: Repeats per series where one is all the time allows (c10d/etcd-v2 failover: ~45-60 s a run).
 FULL_REPEATS = {
@@ -87,7 +116,26 @@ FULL_REPEATS = {
     ("etcd-v2", "spread", "failover", "kill"): 1,
     ("consul", "spread", "failover", "kill"): 1,
     ("consul", "threads", "failover", "detect"): 1,
+    ("c10d", "spread", "failover-term", "kill"): 1,
+    ("consul", "spread", "failover-term", "kill"): 1,
 }
+#: Consul's meta publish after a round: META_DELAY (0.5 s) + up to 20 ms per member (at most
+#: 30 s), in every version measured. Request counts wait for it (and a margin) before the last
+#: read.
+META_SETTLE = (0.5, 0.02, 30.0, 1.0)
+
+
+def meta_settle(world: int) -> float:
+    delay, per_member, cap, margin = META_SETTLE
+    return delay + min(cap, per_member * world) + margin
+
+
+def _worker_entry(spec, conn, go, out) -> None:
+    """Worker process target: imports bench.worker there (bench.product must run first in that
+    process; the runner itself never imports the measured consul_rdzv.torch)."""
+    from bench import worker
+
+    worker.main(spec, conn, go, out)
 
 
 def _now() -> float:
@@ -184,7 +232,10 @@ class Run:
         self.out = ctx.Queue()
         self.go = ctx.Event()
         self.workers: list[tuple] = []  # (process, conn, node indices)
-        self.results: dict[int, dict[int, dict]] = {1: {}, 2: {}}
+        self.results: dict[int, dict[int, dict]] = defaultdict(dict)
+        self.counts: list[tuple] = []  # Consul's request counts, read in turn
+        self.probe = None  # an AgentProbe on the (first) agent while the run lasts
+        self.thread_cpu: dict[str, float] = {}
         self.detects: dict[int, float] = {}
         self.trains: list[dict] = []
         self.killed_at: float | None = None
@@ -197,13 +248,20 @@ class Run:
         self.log_path = RESULTS / "logs" / f"{self.run_id}.log"
 
     # -- layout
+    @property
+    def cluster(self) -> bool:
+        return self.backend == "consul" and bool(self.opts.cluster_clients)
+
     def groups(self) -> list[list[int]]:
         n = self.n
-        victim = n - 1 if self.scenario == "failover" else None
+        victim = n - 1 if self.scenario in FAILOVERS else None
         if self.layout == "threads":
             return [list(range(n))]
         rest = [i for i in range(n) if i != victim]
-        procs = min(len(rest), self.opts.procs - (1 if victim is not None else 0))
+        wanted = self.opts.procs
+        if self.cluster:  # one client agent per process at least: every agent gets nodes
+            wanted = max(wanted, self.opts.cluster_clients + (1 if victim is not None else 0))
+        procs = min(len(rest), wanted - (1 if victim is not None else 0))
         procs = max(procs, 1)
         groups = [rest[i::procs] for i in range(procs)]
         if victim is not None:
@@ -213,11 +271,11 @@ class Run:
     def params(self) -> tuple[int, int, dict]:
         n, b = self.n, self.backend
         conf: dict = {}
-        if self.scenario == "fixed":
-            lo, hi = n, n
-        elif self.scenario == "lastcall":
+        if self.scenario == "lastcall":
             lo, hi = max(1, n // 2), 2 * n
             conf["last_call_timeout"] = "1"
+        elif self.scenario in ("fixed", "backtoback"):
+            lo, hi = n, n
         else:
             lo, hi = max(1, n - 1), n
         if b == "consul":
@@ -227,6 +285,9 @@ class Run:
         return lo, hi, conf
 
     def _server_args(self) -> tuple:
+        if self.cluster:
+            return (self.opts.cluster_servers, self.opts.cluster_clients,
+                    self.opts.cluster_raft_multiplier)
         if self.backend == "c10d":
             return (self.ctx, self.opts.hosts_file)
         if self.backend == "etcd-v2":
@@ -261,6 +322,8 @@ class Run:
                 self.trains.append(msg)
             elif kind == "cpu":
                 self.cpus[msg["pid"]] = msg["cpu"]
+                for group, sec in (msg.get("threads") or {}).items():
+                    self.thread_cpu[group] = self.thread_cpu.get(group, 0.0) + sec
                 for cat, times in (msg.get("http") or {}).items():
                     self.http.setdefault(cat, []).extend(times)
             elif kind == "profiled":
@@ -277,8 +340,57 @@ class Run:
                 with contextlib.suppress(OSError, BrokenPipeError):
                     conn.send(cmd)
 
+    def count_requests(self, label: str) -> None:
+        """Read Consul's own request counts (consul backends) and remember them as ``label``."""
+        if self.backend != "consul" or self.server is None:
+            return
+        probe_sent = self.probe.sent if self.probe else 0
+        try:
+            counts = self.server.http_counts()
+        except Exception as exc:  # recorded, never fatal
+            self.counts.append((label, _now(), {"error": f"{type(exc).__name__}: {exc}"}, 0))
+            return
+        self.counts.append((label, _now(), counts, probe_sent))
+
+    def counted(self, first: str, last: str, nodes: int) -> dict | None:
+        """Requests Consul served between two reads, per node, TTL check passes apart (the
+        runner's probe passes taken out); the agent-side milliseconds they took, on average."""
+        from bench.servers import CHECK_PASS_PATH
+
+        marks = {label: (t, c, p) for label, t, c, p in self.counts}
+        if first not in marks or last not in marks:
+            return None
+        (t0, c0, p0), (t1, c1, p1) = marks[first], marks[last]
+        if "error" in c0 or "error" in c1:
+            return {"error": c0.get("error") or c1.get("error")}
+        zero = [0, 0.0]
+        diff = {k: (c1.get(k, zero)[0] - c0.get(k, zero)[0],
+                    c1.get(k, zero)[1] - c0.get(k, zero)[1]) for k in set(c0) | set(c1)}
+        diff = {k: v for k, v in diff.items() if v[0]}
+        probe = p1 - p0
+        pass_keys = [k for k in diff if CHECK_PASS_PATH in k]
+        passes = sum(diff[k][0] for k in pass_keys) - probe
+        pass_ms = sum(diff[k][1] for k in pass_keys)
+        total = sum(v[0] for v in diff.values()) - probe
+        rest = total - passes
+        rest_ms = sum(v[1] for k, v in diff.items() if k not in pass_keys)
+        seconds = t1 - t0
+        return {"from": first, "to": last, "seconds": seconds, "nodes": nodes,
+                "total": total, "passes": passes, "rest": rest, "probe": probe,
+                "per_node": total / nodes, "passes_per_node": passes / nodes,
+                "rest_per_node": rest / nodes,
+                "passes_per_node_s": passes / nodes / seconds if seconds > 0 else None,
+                "agent_ms_per_pass": pass_ms / (passes + probe) if passes + probe else None,
+                "agent_ms_per_other": rest_ms / rest if rest else None,
+                "by_path": {k: v[0] for k, v in sorted(diff.items(), key=lambda kv: -kv[1][0])},
+                "agent_ms_by_path": {k: round(v[1] / v[0], 3) for k, v in diff.items()}}
+
+    def probe_window(self, rec: dict, key: str, start: float, end: float) -> None:
+        if self.probe is not None:
+            rec[key] = self.probe.window(start, end)
+
     def execute(self) -> dict:
-        from bench import servers, worker
+        from bench import servers
 
         o = self.opts
         lo, hi, conf = self.params()
@@ -288,9 +400,12 @@ class Run:
             "min_nodes": lo, "max_nodes": hi, "conf": conf, "status": "ok", "violations": [],
             "started": time.time(), "loadavg": _loadavg(),
             "loopback_hosts": bool(o.hosts_file),
+            "topology": "cluster" if self.cluster else "single",
         }
         server_cls = {"consul": servers.ConsulServer, "c10d": servers.TCPStoreServer,
                       "etcd-v2": servers.EtcdServer}[self.backend]
+        if self.cluster:
+            server_cls = servers.ClusterServer
         server = server_cls(*self._server_args())
         self.server = server
         t_setup = _now()
@@ -307,18 +422,33 @@ class Run:
         groups = self.groups()
         rec["procs"] = len(groups)
         rec["max_threads_per_proc"] = max(len(g) for g in groups)
+        rec["server"] = server.describe() if hasattr(server, "describe") else None
+        endpoints = getattr(server, "endpoints", None) or [endpoint]
+        rec["agents"] = len(endpoints)
+        victim = self.n - 1 if self.scenario in FAILOVERS else None
+        if self.backend == "consul" and not o.no_probe:
+            with contextlib.suppress(Exception):
+                probe = server.probe()
+                probe.register()
+                probe.start()
+                self.probe = probe
+        self.count_requests("start")
         try:
-            for g in groups:
+            for j, g in enumerate(groups):
                 parent, child = self.ctx.Pipe()
-                spec = {"backend": self.backend, "endpoint": endpoint, "run_id": self.run_id,
+                spec = {"backend": self.backend, "endpoint": endpoints[j % len(endpoints)],
+                        "run_id": self.run_id,
                         "min_nodes": lo, "max_nodes": hi, "conf": conf, "nodes": g,
                         "log_path": str(self.log_path), "log_level": o.log_level,
-                        "profile": o.profile, "hosts_file": o.hosts_file}
-                proc = self.ctx.Process(target=worker.main, args=(spec, child, self.go, self.out),
-                                        daemon=True)
+                        "profile": o.profile, "hosts_file": o.hosts_file,
+                        "term_victim": self.scenario == "failover-term" and g == [victim]}
+                proc = self.ctx.Process(target=_worker_entry,
+                                        args=(spec, child, self.go, self.out), daemon=True)
                 proc.start()
                 child.close()
                 self.workers.append((proc, parent, g))
+            rec["nodes_per_agent"] = dict(Counter(
+                endpoints[j % len(endpoints)] for j, g in enumerate(groups) for _ in g))
             self._pump(lambda: len(self.ready) == len(groups), _now() + o.setup_timeout)
             rec["setup_s"] = _now() - t_setup
             if self.fatal or len(self.ready) < len(groups):
@@ -326,17 +456,25 @@ class Run:
                 rec["violations"].append("setup failed: " + "; ".join(self.fatal or
                                          [f"only {len(self.ready)} of {len(groups)} workers"]))
                 return rec
+            if self.backend == "consul":
+                wrong = self._check_product(rec)
+                if wrong:
+                    rec["status"] = "error"
+                    rec["violations"].append(wrong)
+                    return rec
             names = {}
             for msg in self.ready.values():
                 names.update({int(k): v for k, v in msg["nodes"].items()})
             rec["nofile"] = min(m["nofile"] for m in self.ready.values())
-            getattr(self, f"_scenario_{self.scenario}")(rec, names)
+            getattr(self, f"_scenario_{self.scenario.replace('-', '_')}")(rec, names)
             return rec
         finally:
             if o.profile and self.ready:
                 self._save_profiles(rec)
             if o.pprof:
                 self._finish_pprof(rec)
+            if self.probe is not None:
+                self.probe.stop_event.set()
             self._send(("exit",))
             for proc, conn, _ in self.workers:
                 proc.join(2)
@@ -354,6 +492,19 @@ class Run:
                     self.log_path.unlink()
             if self.log_path.exists():
                 rec["log"] = str(self.log_path.relative_to(HERE.parent))
+
+    def _check_product(self, rec: dict) -> str | None:
+        """Every worker must have loaded the consul_rdzv being measured (bench/product.py)."""
+        want = Path(self.opts.product_dir or HERE.parent).resolve() / "consul_rdzv"
+        files = {pid: m.get("files") or {} for pid, m in self.ready.items()}
+        rec["consul_rdzv_files"] = sorted({f for fs in files.values() for f in fs.values()
+                                           if f})
+        for pid, fs in files.items():
+            for what, path in fs.items():
+                if not path or Path(path).resolve().parent != want:
+                    return (f"worker {pid} loaded {what} from {path}, not from {want}: the run "
+                            "would not measure the product asked for")
+        return None
 
     def _save_profiles(self, rec: dict) -> None:
         """Combine the profiles of every node thread; write a text summary."""
@@ -451,9 +602,10 @@ class Run:
 
     # -- the phases
     def _release(self) -> float:
-        from bench.servers import cpu_seconds, system_cpu
+        from bench.servers import cpu_seconds_all, system_cpu
 
-        self.server_cpu0 = cpu_seconds(self.server.pid)
+        self.count_requests("release")
+        self.server_cpu0 = cpu_seconds_all(self.server.pids)
         self.sys_cpu0 = system_cpu()
         if self.opts.pprof and self.backend == "consul":
             self._start_pprof()
@@ -461,6 +613,13 @@ class Run:
         self.wall_go = time.time()
         self.go.set()
         return self.t_go
+
+    def _note_phases(self, rec: dict) -> None:
+        """A run that timed out: how many nodes had returned from each phase (and how many of
+        those with an error), for the record and the report."""
+        rec["phases_returned"] = {
+            str(phase): {"returned": len(res), "ok": sum(1 for r in res.values() if r.get("ok"))}
+            for phase, res in sorted(self.results.items())}
 
     def _phase_summary(self, rec: dict, phase: int, t0: float, prefix: str, **expect) -> None:
         recs = sorted(self.results[phase].values(), key=lambda r: r["idx"])
@@ -483,7 +642,7 @@ class Run:
         if self.backend == "consul" and ok:
             rec[f"{prefix}product_requests"] = _stats([r.get("product_requests") for r in ok])
             sealed = [r["sealed_wall"] for r in ok if r.get("sealed_wall")]
-            wall0 = self.wall_go if phase == 1 else self.wall_kill
+            wall0 = self.wall_go if phase == 1 else self.wall_kill  # b2b: the round's start
             if sealed:
                 rec[f"{prefix}sealed_s"] = max(sealed) - wall0
             released = [r["released_wall"] for r in ok if r.get("released_wall")]
@@ -502,19 +661,23 @@ class Run:
         }
 
     def _cpu(self, rec: dict, prefix: str = "") -> None:
-        """CPU seconds the round cost: the server process, and all worker processes."""
-        from bench.servers import cpu_seconds, system_cpu
+        """CPU seconds the round cost: the server process(es), and all worker processes."""
+        from bench.servers import cpu_seconds_all, system_cpu
 
-        server_cpu = cpu_seconds(self.server.pid)
+        server_cpu = cpu_seconds_all(self.server.pids)
         busy, total = system_cpu()
         if server_cpu is not None and self.server_cpu0 is not None:
             rec[f"{prefix}server_cpu_s"] = server_cpu - self.server_cpu0
         rec[f"{prefix}machine_busy_cpu_s"] = busy - self.sys_cpu0[0]
         rec[f"{prefix}machine_cpu_s"] = total - self.sys_cpu0[1]
         self.cpus = {}
+        self.thread_cpu = {}
         live = [w for w in self.workers if w[0].is_alive()]
         self._send(("cpu",), live)
         self._pump(lambda: len(self.cpus) >= len(live), _now() + 30)
+        if self.thread_cpu:  # since the workers started (handler creation included)
+            rec[f"{prefix}thread_cpu_s"] = dict(sorted(
+                ((k, round(v, 2)) for k, v in self.thread_cpu.items()), key=lambda kv: -kv[1]))
         before = {pid: m["cpu"] for pid, m in self.ready.items()}
         spent = [cpu - before[pid] for pid, cpu in self.cpus.items() if pid in before]
         if spent:
@@ -564,18 +727,105 @@ class Run:
             if probes else None,
         }
 
+    def _settle_and_count(self, rec: dict, since: float, first: str, nodes: int,
+                          key: str = "consul_requests") -> None:
+        """Wait until the round's meta publishes are due (META_SETTLE from ``since``), read
+        Consul's counts, record the requests between read ``first`` and now."""
+        if self.backend != "consul":
+            return
+        self._pump(lambda: False, since + meta_settle(self.n))
+        self.count_requests("end")
+        rec[key] = self.counted(first, "end", nodes)
+
     def _scenario_fixed(self, rec: dict, names: dict) -> None:
         t0 = self._release()
         done = self._pump(lambda: len(self.results[1]) == self.n, t0 + self.opts.timeout)
+        t_done = _now()
+        self.probe_window(rec, "agent_probe", t0, t_done)
         self._phase_summary(rec, 1, t0, "", expect_world=self.n)
         rec["latency_s"] = rec["latency_s"] if done else None
         self._cpu(rec)
         if not done or self.fatal:
             rec["status"] = "timeout" if not self.fatal else "error"
+            self._note_phases(rec)
             rec["violations"] += self.fatal
             return
         if self.rep == 0 and self.layout == "spread":
             self._train(rec)
+        # Consul's count: registration at handler creation + the round + its meta publish
+        # (+ check passes over the whole window, a cost per second).
+        self._settle_and_count(rec, t_done, "start", self.n)
+        if self.backend == "consul":
+            rec["consul_requests_registration"] = self.counted("start", "release", self.n)
+            rec["consul_requests_round"] = self.counted("release", "end", self.n)
+
+    def _scenario_backtoback(self, rec: dict, names: dict) -> None:
+        """Round 1 as in fixed; then every node re-rendezvouses, entering ``stagger`` apart,
+        --b2b-rounds times. Consul's counts are read at every round's start."""
+        n, o = self.n, self.opts
+        t0 = self._release()
+        done = self._pump(lambda: len(self.results[1]) == n, t0 + o.timeout)
+        self.probe_window(rec, "r1_agent_probe", t0, _now())
+        self._phase_summary(rec, 1, t0, "r1_", expect_world=n)
+        self._cpu(rec, "r1_")
+        rec["latency_s"] = rec.get("r1_latency_s") if done else None
+        if not done or self.fatal:
+            rec["status"] = "timeout" if not self.fatal else "error"
+            self._note_phases(rec)
+            rec["violations"] += self.fatal
+            return
+        stagger = min(o.b2b_stagger, o.b2b_window / max(1, n - 1))
+        rec["b2b_stagger_s"] = stagger
+        rounds = []
+        previous = rec.get("r1_round")
+        for phase in range(2, 2 + o.b2b_rounds):
+            label = f"round{phase}"
+            self.count_requests(label)
+            start = _now() + 0.02
+            self.wall_kill = time.time() + 0.02
+            self._send(("rounds", phase, start, stagger))
+            done = self._pump(lambda phase=phase: len(self.results[phase]) == n,
+                              start + n * stagger + o.timeout)
+            prefix = f"b{phase}_"
+            self.probe_window(rec, f"{prefix}agent_probe", start, _now())
+            self._phase_summary(rec, phase, start, prefix, expect_world=n)
+            ok = [r for r in self.results[phase].values() if r.get("ok")]
+            info = {"phase": phase, "round": rec.get(f"{prefix}round"), "returned": len(ok),
+                    "agent_probe": rec.get(f"{prefix}agent_probe")}
+            if ok:
+                first = min(r["t_start"] for r in ok)
+                last = max(r["t_start"] for r in ok)
+                end = max(r["t_end"] for r in ok)
+                info.update(from_last_entry_s=end - last, from_first_entry_s=end - first,
+                            entry_window_s=last - first,
+                            product_requests=rec.get(f"{prefix}product_requests"),
+                            sealed_after_last_entry_s=(rec[f"{prefix}sealed_s"]
+                                                       - (last - start))
+                            if rec.get(f"{prefix}sealed_s") is not None else None)
+            if info.get("round") is not None and previous is not None \
+                    and info["round"] <= previous:
+                rec["violations"].append(f"round {info['round']} is not after {previous}")
+            previous = info.get("round") or previous
+            rounds.append(info)
+            if not done or self.fatal:
+                rec["status"] = "timeout" if not self.fatal else "error"
+                self._note_phases(rec)
+                rec["violations"] += self.fatal
+                rec["latency_s"] = None
+                break
+        t_done = _now()
+        self._settle_and_count(rec, t_done, "start", n)
+        if self.backend == "consul":
+            labels = ["release"] + [f"round{r['phase']}" for r in rounds] + ["end"]
+            for info, (a, b) in zip([{"phase": 1}, *rounds], itertools.pairwise(labels),
+                                    strict=False):
+                info["consul_requests"] = self.counted(a, b, n)
+            rec["r1_consul_requests"] = self.counted("release", "round2", n)
+            rec["consul_requests_registration"] = self.counted("start", "release", n)
+            rec["b2b_consul_requests"] = self.counted("round2", "end", n)
+        rec["b2b_rounds"] = rounds
+        times = [r.get("from_last_entry_s") for r in rounds]
+        rec["b2b_max_from_last_entry_s"] = max(times) if times and None not in times else None
 
     def _scenario_lastcall(self, rec: dict, names: dict) -> None:
         t0 = self._release()
@@ -599,18 +849,21 @@ class Run:
         self._cpu(rec)
         if not done or self.fatal:
             rec["status"] = "timeout" if not self.fatal else "error"
+            self._note_phases(rec)
             rec["violations"] += self.fatal
             rec["latency_s"] = None
 
-    def _scenario_failover(self, rec: dict, names: dict) -> None:
+    def _scenario_failover(self, rec: dict, names: dict, sig: int = signal.SIGKILL) -> None:
         n, o = self.n, self.opts
         victim = n - 1
         t0 = self._release()
         done = self._pump(lambda: len(self.results[1]) == n, t0 + o.timeout)
+        self.probe_window(rec, "r1_agent_probe", t0, _now())
         self._phase_summary(rec, 1, t0, "r1_", expect_world=n)
         self._cpu(rec, "r1_")
         if not done or self.fatal:
             rec["status"] = "timeout" if not self.fatal else "error"
+            self._note_phases(rec)
             rec["violations"] += self.fatal
             rec["latency_s"] = None
             return
@@ -626,6 +879,8 @@ class Run:
             rec["violations"].append(f"{len(spurious)} survivor(s) saw num_nodes_waiting() > 0 "
                                      "before the kill")
         self.detects.clear()
+        self.count_requests("kill")
+        vconn = None
         if self.layout == "threads":
             self.wall_kill = time.time()
             self._send(("kill", victim))
@@ -633,19 +888,25 @@ class Run:
             t_kill = self.killed_at
             rec["kill"] = "heartbeat stopped (thread)"
         else:
-            vproc = next(p for p, _, g in self.workers if g == [victim])
+            vproc, vconn, _ = next(w for w in self.workers if w[2] == [victim])
             self.wall_kill = time.time()
             t_kill = _now()
-            os.kill(vproc.pid, signal.SIGKILL)
-            rec["kill"] = "SIGKILL of the victim's process"
+            os.kill(vproc.pid, sig)
+            rec["kill"] = (f"{signal.Signals(sig).name} of the victim's process"
+                           + (" (SignalException, atexit hooks)" if sig == signal.SIGTERM
+                              else ""))
         if self.trigger == "kill":
             self._send(("rejoin",), survivors_workers)
         done = self._pump(lambda: len(self.results[2]) == n - 1, t_kill + o.timeout)
+        t_done = _now()
+        self.probe_window(rec, "agent_probe", t_kill, t_done)
         self._phase_summary(rec, 2, t_kill, "", expect_world=n - 1)
         det = [t - t_kill for i, t in self.detects.items() if i != victim]
         rec["detect_first_s"] = min(det) if det else None
         rec["detect_last_s"] = max(det) if det else None
         rec["detected_by"] = len(det)
+        if vconn is not None and sig == signal.SIGTERM:
+            rec["victim_exit"] = self._victim_exit(vconn, t_kill)
         r1 = rec.get("r1_round")
         if rec.get("round") is not None and r1 is not None and rec["round"] <= r1:
             rec["violations"].append(f"round 2 number {rec['round']} is not after round 1 ({r1})")
@@ -653,8 +914,29 @@ class Run:
             rec["violations"].append("the killed node returned from round 2")
         if not done or self.fatal:
             rec["status"] = "timeout" if not self.fatal else "error"
+            self._note_phases(rec)
             rec["violations"] += self.fatal
             rec["latency_s"] = None
+            return
+        self._settle_and_count(rec, t_done, "kill", n - 1)
+
+    def _scenario_failover_term(self, rec: dict, names: dict) -> None:
+        self._scenario_failover(rec, names, signal.SIGTERM)
+
+    @staticmethod
+    def _victim_exit(conn, t_kill: float) -> dict:
+        """What the SIGTERM victim reported: when it caught the signal, how long its atexit
+        hooks (the leave) took, whether its node left."""
+        msg = None
+        with contextlib.suppress(OSError, EOFError):
+            if conn.poll(10):
+                msg = conn.recv()
+        if not isinstance(msg, dict) or msg.get("type") != "terminated":
+            return {"error": "the victim reported nothing (killed outright?)"}
+        return {"exception": msg.get("exception"), "caught_s": msg["t_caught"] - t_kill,
+                "atexit_s": msg["t_atexit_done"] - msg["t_caught"],
+                "exited_s": msg["t_atexit_done"] - t_kill, "left": msg.get("left"),
+                "error": msg.get("error")}
 
 
 def profile_summary(session, top: int = 25) -> str:
@@ -749,8 +1031,46 @@ def product_version() -> dict:
             "consul_rdzv_sha256": digest.hexdigest()[:16]}
 
 
+def parse_only(text: str) -> list[dict]:
+    """``--only``: ``backend:scenario[:trigger][@N+N...][xREPEATS]``, comma-separated."""
+    items = []
+    for raw in (t.strip() for t in text.split(",")):
+        if not raw:
+            continue
+        head, reps = raw, None
+        if "x" in raw.rsplit("@", 1)[-1] and "@" in raw:
+            head, rep_text = raw.rsplit("x", 1)
+            reps = int(rep_text)
+        head, _, sizes = head.partition("@")
+        parts = head.split(":")
+        if len(parts) not in (2, 3) or parts[0] not in ALL_BACKENDS \
+                or parts[1] not in ALL_SCENARIOS:
+            raise ValueError(f"bad --only item {raw!r}: backend:scenario[:trigger][@N+N][xR]")
+        items.append({"backend": parts[0], "scenario": parts[1],
+                      "trigger": parts[2] if len(parts) == 3 else None,
+                      "sizes": [int(x) for x in sizes.split("+")] if sizes else None,
+                      "reps": reps})
+    return items
+
+
 def build_plan(opts) -> list[tuple]:
-    """(scenario, n, backend, layout, trigger) in run order: by scenario, then N ascending."""
+    """(scenario, n, backend, layout, trigger, repeats or None) in run order: by scenario, then
+    N ascending (``--only``: its items in the order given, with their repeats)."""
+    if opts.only:
+        plan = []
+        for item in opts.only:
+            b, scenario = item["backend"], item["scenario"]
+            for n in item["sizes"] or opts.sizes:
+                for layout in opts.layouts:
+                    if layout == "threads" and scenario == "failover-term":
+                        continue  # a signal needs a process of its own
+                    triggers = [None]
+                    if scenario in FAILOVERS:
+                        triggers = ["detect", "kill"] if b == "consul" else ["kill"]
+                    for trigger in triggers:
+                        if item["trigger"] in (None, trigger):
+                            plan.append((scenario, n, b, layout, trigger, item["reps"]))
+        return plan
     plan = []
     for scenario in opts.scenarios:
         for n in opts.sizes:
@@ -758,13 +1078,17 @@ def build_plan(opts) -> list[tuple]:
                 for backend in opts.backends:
                     if layout == "threads" and backend not in opts.thread_backends:
                         continue
+                    if scenario == "backtoback" and backend != "consul":
+                        continue  # consul's request budget; c10d's rounds take >= 1 s each
+                    if layout == "threads" and scenario == "failover-term":
+                        continue  # a signal needs a process of its own
                     triggers = [None]
-                    if scenario == "failover":
+                    if scenario in FAILOVERS:
                         triggers = ["detect", "kill"] if backend == "consul" else ["kill"]
                         if backend == "consul" and not opts.consul_kill_trigger:
                             triggers = ["detect"]
                     for trigger in triggers:
-                        plan.append((scenario, n, backend, layout, trigger))
+                        plan.append((scenario, n, backend, layout, trigger, None))
     return plan
 
 
@@ -804,6 +1128,27 @@ def parse_args(argv=None):
                         "wall = pyinstrument (default), cpu = cProfile on per-thread CPU time")
     p.add_argument("--pprof", type=float, default=0.0, metavar="SECONDS",
                    help="consul runs: sample the agent's CPU with Go's pprof from the release on")
+    p.add_argument("--b2b-rounds", type=int, default=3,
+                   help="backtoback: rounds after the first")
+    p.add_argument("--b2b-stagger", type=float, default=0.02,
+                   help="backtoback: seconds between two nodes' entries ...")
+    p.add_argument("--b2b-window", type=float, default=0.64,
+                   help="... but all enter within this many seconds")
+    p.add_argument("--cluster-clients", type=int, default=0, metavar="K",
+                   help="consul on a ConsulCluster with K client agents (each worker process "
+                        "talks to one) instead of one dev agent")
+    p.add_argument("--cluster-servers", type=int, default=3)
+    p.add_argument("--cluster-raft-multiplier", type=int, default=5,
+                   help="performance.raft_multiplier of the cluster's agents (Consul's default)")
+    p.add_argument("--keep-going", action="store_true",
+                   help="a failed or timed-out run does not skip the rest of its series")
+    p.add_argument("--no-probe", action="store_true",
+                   help="consul: no check-pass probe from the runner (bench/servers.AgentProbe)")
+    p.add_argument("--product", default="",
+                   help="measure the consul_rdzv of this git commit (or directory) instead of "
+                        "this checkout's, with this bench code (bench/product.py)")
+    p.add_argument("--only", default="",
+                   help="run only these series/sizes, e.g. consul:failover-term:detect@8+32")
     p.add_argument("--loopback-hosts", action="store_true",
                    help="run workers with a private /etc/hosts naming ::ffff:127.0.0.1 (avoids "
                         "the reverse-DNS stalls of TCPStore connects; see bench/servers.py)")
@@ -824,6 +1169,10 @@ def parse_args(argv=None):
     opts.scenarios = [s.strip() for s in opts.scenarios.split(",") if s.strip()]
     opts.layouts = [s.strip() for s in opts.layouts.split(",") if s.strip()]
     opts.skip = {s.strip() for s in opts.skip.split(",") if s.strip()}
+    try:
+        opts.only = parse_only(opts.only)
+    except ValueError as exc:
+        p.error(str(exc))
     for b in opts.backends:
         if b not in ALL_BACKENDS:
             p.error(f"unknown backend {b!r}")
@@ -839,8 +1188,11 @@ def caps_for(opts) -> dict:
     caps = dict(FULL_CAPS)
     if opts.quick:
         # c10d's failover takes ~45-60 s per run (15 s to expire the dead node's keep-alives,
-        # then the default 30 s last call): one size keeps the quick mode under 3 minutes.
-        caps = {("c10d", "spread", "failover", "kill"): 8}
+        # then the default 30 s last call): one size keeps the quick mode near 4 minutes; its
+        # SIGTERM variant is the same for c10d (no exit hook), so not run.
+        caps = {("c10d", "spread", "failover", "kill"): 8,
+                ("c10d", "spread", "failover-term", "kill"): 0,
+                ("etcd-v2", "spread", "failover-term", "kill"): 0}
     return caps
 
 
@@ -848,8 +1200,16 @@ def caps_for(opts) -> dict:
 QUICK_ONLY = {("c10d", "spread", "failover", "kill"): {8}}
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    # Stopped by SIGTERM, or SIGINT (ignored by default in a background job): unwind, so that
+    # every run's `finally` stops its workers and its Consul agents.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _interrupt)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "logs").mkdir(exist_ok=True)
     nofile = raise_nofile()
@@ -873,6 +1233,18 @@ def main(argv=None) -> int:
                                              "(pip install -e '.[bench]')")
                 print(f"[bench] etcd-v2 skipped: {etcd_note}", flush=True)
 
+    product = product_version()
+    opts.product_dir = None
+    if opts.product:
+        from bench import product as bench_product
+
+        opts.product_dir, product = bench_product.prepare(opts.product, RESULTS)
+        # Before the forkserver starts: every worker process inherits these (bench/product.py).
+        os.environ[bench_product.ENV] = str(opts.product_dir)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(opts.product_dir), *filter(None, [os.environ.get("PYTHONPATH")])])
+        print(f"[bench] measuring consul_rdzv {product['git_head'] or ''} from "
+              f"{opts.product_dir} (digest {product['consul_rdzv_sha256']})", flush=True)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["bench.worker"])
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -886,8 +1258,12 @@ def main(argv=None) -> int:
               "machine": machine, "nofile": nofile, "quick": opts.quick,
               "heartbeat_timeout": HEARTBEAT_TIMEOUT, "dynamic_defaults": DYNAMIC_DEFAULTS,
               "procs": opts.procs, "timeout": opts.timeout, "train_seconds": opts.train_seconds,
-              "consul_http_limit": servers.HTTP_LIMIT_LINE, "product": product_version(),
-              "loopback_hosts": bool(opts.hosts_file)}
+              "consul_http_limit": servers.HTTP_LIMIT_LINE, "product": product,
+              "loopback_hosts": bool(opts.hosts_file),
+              "cluster": {"servers": opts.cluster_servers, "clients": opts.cluster_clients}
+              if opts.cluster_clients else None,
+              "b2b": {"rounds": opts.b2b_rounds, "stagger": opts.b2b_stagger,
+                      "window": opts.b2b_window}}
     print(f"[bench] {machine['cores']} cores, {machine['mem_gb']} GB, torch {machine['torch']}, "
           f"{machine['consul']}, etcd {machine['etcd'] or etcd_note} -> {out_path}", flush=True)
     caps = caps_for(opts)
@@ -895,7 +1271,7 @@ def main(argv=None) -> int:
     started = _now()
     with open(out_path, "w") as fh:
         fh.write(json.dumps(header) + "\n")
-        for scenario, n, backend, layout, trigger in build_plan(opts):
+        for scenario, n, backend, layout, trigger, item_reps in build_plan(opts):
             key = series_key(scenario, backend, layout, trigger)
             reason = None
             if f"{backend}:{scenario}" in opts.skip:
@@ -904,9 +1280,9 @@ def main(argv=None) -> int:
                 reason = f"etcd unavailable: {etcd_note}"
             elif key in skipped:
                 reason = skipped[key]
-            elif key in caps and n > caps[key]:
+            elif key in caps and n > caps[key] and not opts.only:
                 reason = (f"capped at N <= {caps[key]} in this run" if caps[key]
-                          else "not run in this layout")
+                          else "not run in this layout or mode")
             elif opts.quick and key in QUICK_ONLY and n not in QUICK_ONLY[key]:
                 reason = f"quick mode runs N = {sorted(QUICK_ONLY[key])} only"
             elif (_now() - started) / 60 > opts.budget_min:
@@ -918,8 +1294,10 @@ def main(argv=None) -> int:
                 fh.flush()
                 continue
             reps = opts.repeats if n <= opts.small else opts.repeats_large
-            if not opts.no_caps:
+            if not opts.no_caps and not opts.only:
                 reps = min(reps, FULL_REPEATS.get(key, reps))
+            if item_reps:
+                reps = item_reps
             for rep in range(reps):
                 run = Run(ctx, opts, backend, layout, scenario, n, rep, trigger, etcd_bin)
                 try:
@@ -933,11 +1311,26 @@ def main(argv=None) -> int:
                 fh.flush()
                 lat = rec.get("latency_s")
                 extra = ""
-                if scenario == "failover" and rec.get("detect_first_s") is not None:
+                if scenario in FAILOVERS and rec.get("detect_first_s") is not None:
                     extra = f" detect {rec['detect_first_s']:.2f}s"
+                if rec.get("victim_exit"):
+                    ve = rec["victim_exit"]
+                    extra += (f" victim left {ve['exited_s']:.2f}s" if "exited_s" in ve
+                              else f" victim: {ve.get('error')}")
                 req = rec.get("product_requests") or rec.get("requests")
                 if req:
                     extra += f" req/node med {req['median']:.0f} max {req['max']:.0f}"
+                for r in rec.get("b2b_rounds") or []:
+                    cr = r.get("consul_requests") or {}
+                    if r.get("from_last_entry_s") is not None:
+                        extra += (f" | r{r['phase']} {r['from_last_entry_s']:.3f}s"
+                                  f" {cr.get('rest_per_node', float('nan')):.1f}req")
+                cr = rec.get("consul_requests") or {}
+                if "rest_per_node" in cr:
+                    extra += (f" consul-counted/node {cr['per_node']:.1f} (passes "
+                              f"{cr['passes_per_node']:.1f}, rest {cr['rest_per_node']:.1f})")
+                if rec.get("topology") == "cluster":
+                    extra += f" [cluster {rec.get('agents')} agents]"
                 if rec.get("train"):
                     t = rec["train"]
                     if "req_per_s_per_node" in t:
@@ -945,10 +1338,11 @@ def main(argv=None) -> int:
                 shown = f"{lat:.3f}s" if lat is not None else rec["status"]
                 if rec.get("violations"):
                     extra += "  VIOLATIONS: " + "; ".join(rec["violations"])[:300]
-                print(f"[bench {(_now() - started) / 60:5.1f}m] {scenario:8} {backend:7} "
+                print(f"[bench {(_now() - started) / 60:5.1f}m] {scenario:13} {backend:7} "
                       f"{layout:7} {trigger or '':6} N={n:<5} rep {rep}: {shown:>9}{extra}",
                       flush=True)
-                if rec["status"] != "ok" or (lat is not None and lat > opts.timeout):
+                if (rec["status"] != "ok" or (lat is not None and lat > opts.timeout)) \
+                        and not opts.keep_going:
                     skipped[key] = f"skipped: N={n} {rec['status']}" + (
                         f" (per-run timeout {opts.timeout:g} s)" if rec["status"] == "timeout"
                         else "")

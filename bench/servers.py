@@ -3,7 +3,12 @@
 * consul  - ``consul agent -dev`` from :class:`consul_rdzv.testing.ConsulAgent` (in-memory Raft,
   127.0.0.1, free ports). The harness config already carries
   ``limits { http_max_conns_per_client = 8192 }`` (Consul's default is 200 connections per client
-  IP, which 1024 nodes on one loopback address would exceed); :meth:`ConsulServer.start` checks it.
+  IP, which 1024 nodes on one loopback address would exceed) and
+  ``telemetry { prometheus_retention_time }`` (Consul's own request counts:
+  :meth:`ConsulServer.http_counts`); :meth:`ConsulServer.start` checks both.
+* consul on a cluster (``bench.run --cluster-clients K``) - :class:`ClusterServer`: a
+  :class:`consul_rdzv.testing.ConsulCluster` of real servers and K client agents, each on its own
+  127.X.Y.Z; every worker process talks to one client agent (one agent per simulated host).
 * c10d    - a ``TCPStore`` server (torch's default libuv backend) in its own process, listening on
   a socket bound to 127.0.0.1 (``master_listen_fd``: a bare ``TCPStore(is_master=True)`` would
   listen on every interface).
@@ -16,17 +21,112 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 HTTP_LIMIT_LINE = "limits { http_max_conns_per_client = 8192 }"
+PROMETHEUS_LINE = "prometheus_retention_time"
+#: Consul's HTTP metric path of a TTL check pass (``PUT /v1/agent/check/pass/<id>``): a cost per
+#: second (one per keep_alive_interval and node), not per round, so it is counted apart.
+CHECK_PASS_PATH = "v1_agent_check_pass_"
+
+
+def agent_http_counts(url: str, token: str | None = None) -> dict[str, list[float]]:
+    """Consul's own count of the HTTP requests it served and the time it spent on them, by
+    ``METHOD path``: ``[count, sum of ms]`` from the ``consul_api_http_count`` and
+    ``consul_api_http_sum`` series of ``/v1/agent/metrics?format=prometheus`` (the agent's own
+    view, from accepting a request to writing its answer), without the metrics requests."""
+    req = urllib.request.Request(f"{url}/v1/agent/metrics?format=prometheus")
+    if token:
+        req.add_header("X-Consul-Token", token)
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        text = resp.read().decode()
+    stats: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for series, slot in (("consul_api_http_count{", 0), ("consul_api_http_sum{", 1)):
+            if not line.startswith(series):
+                continue
+            labels, value = line.rsplit(" ", 1)
+            fields = dict(part.split("=", 1) for part in labels[len(series):-1].split(","))
+            method = fields.get("method", "").strip('"')
+            path = fields.get("path", "").strip('"')
+            if path == "v1_agent_metrics":
+                continue
+            entry = stats.setdefault(f"{method} {path}", [0, 0.0])
+            entry[slot] += float(value)
+    return stats
+
+
+class AgentProbe(threading.Thread):
+    """Passes a check of its own on an agent every ``interval`` from the runner process (no GIL
+    shared with the nodes): how long the agent takes to answer a check pass while the nodes'
+    rounds run. Its requests are subtracted from the counts (:attr:`sent`)."""
+
+    CHECK = "bench-probe"
+
+    def __init__(self, url: str, token: str | None = None, interval: float = 0.25) -> None:
+        super().__init__(name="bench-agent-probe", daemon=True)
+        self.url, self.token, self.interval = url, token, interval
+        self.samples: list[tuple[float, float | None]] = []  # (monotonic start, seconds|None)
+        self.sent = 0
+        self.stop_event = threading.Event()
+
+    def _put(self, path: str, body: bytes | None = None, timeout: float = 60.0) -> None:
+        req = urllib.request.Request(f"{self.url}{path}", data=body or b"", method="PUT")
+        if self.token:
+            req.add_header("X-Consul-Token", self.token)
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            resp.read()
+
+    def register(self) -> None:
+        body = json.dumps({"ID": self.CHECK, "Name": "bench probe", "TTL": "1h"}).encode()
+        self._put("/v1/agent/check/register", body, timeout=30)
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            started = time.monotonic()
+            took = None
+            try:
+                self.sent += 1
+                self._put(f"/v1/agent/check/pass/{self.CHECK}")
+                took = time.monotonic() - started
+            except OSError:
+                took = None
+            self.samples.append((started, took))
+            self.stop_event.wait(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def window(self, start: float, end: float) -> dict | None:
+        """Latencies of the probe's passes sent between ``start`` and ``end`` (monotonic)."""
+        vals = [t for s, t in self.samples if start <= s <= end]
+        ok = sorted(t for t in vals if t is not None)
+        if not vals:
+            return None
+        return {"n": len(vals), "failed": len(vals) - len(ok),
+                "p50_ms": 1000 * ok[len(ok) // 2] if ok else None,
+                "p90_ms": 1000 * ok[min(len(ok) - 1, int(0.9 * len(ok)))] if ok else None,
+                "max_ms": 1000 * ok[-1] if ok else None}
+
+
+def rss_mb(pid: int | None) -> float | None:
+    """Resident memory of a process in MB (from /proc), or None."""
+    if not pid:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def free_port() -> int:
@@ -81,6 +181,13 @@ def cpu_seconds(pid: int | None) -> float | None:
         return None
 
 
+def cpu_seconds_all(pids: list[int]) -> float | None:
+    """Summed CPU seconds of several processes (a cluster's agents), or None."""
+    values = [cpu_seconds(pid) for pid in pids]
+    values = [v for v in values if v is not None]
+    return sum(values) if values else None
+
+
 def system_cpu() -> tuple[float, float]:
     """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
     try:
@@ -94,25 +201,45 @@ def system_cpu() -> tuple[float, float]:
 
 
 class ConsulServer:
+    """One ``consul agent -dev``: server and the agent of every node at once."""
+
     name = "consul"
+    topology = "single"
 
     @property
     def pid(self) -> int | None:
         return self.agent.proc.pid if self.agent.proc else None
 
+    @property
+    def pids(self) -> list[int]:
+        return [self.pid] if self.pid else []
+
     def __init__(self) -> None:
         from consul_rdzv.testing import ConsulAgent
 
         self.agent = ConsulAgent()
+        self.endpoints: list[str] = []
 
     def start(self) -> str:
         self.agent.start()
         hcl = (self.agent.workdir / "agent.hcl").read_text()
-        if HTTP_LIMIT_LINE not in hcl:  # pragma: no cover - the harness default changed
-            self.agent.close()
-            raise RuntimeError(f"ConsulAgent no longer writes {HTTP_LIMIT_LINE!r}; pass it as "
-                               "extra_hcl in bench/servers.py.")
+        for line in (HTTP_LIMIT_LINE, PROMETHEUS_LINE):
+            if line not in hcl:  # pragma: no cover - the harness default changed
+                self.agent.close()
+                raise RuntimeError(f"ConsulAgent no longer writes {line!r}; pass it as "
+                                   "extra_hcl in bench/servers.py.")
+        self.endpoints = [self.agent.address]
         return self.agent.address
+
+    def http_counts(self) -> dict[str, list[float]]:
+        """Consul's own request counts (see :func:`agent_http_counts`)."""
+        return agent_http_counts(self.agent.url)
+
+    def probe(self) -> AgentProbe:
+        return AgentProbe(self.agent.url)
+
+    def describe(self) -> dict:
+        return {"topology": "single", "agents": 1, "rss_mb": rss_mb(self.pid)}
 
     def stop(self, keep_log: str | None = None) -> None:
         self.agent.stop()
@@ -128,6 +255,84 @@ class ConsulServer:
         out = subprocess.run([consul_binary(), "version"], capture_output=True, text=True,
                              timeout=30).stdout
         return out.splitlines()[0].strip() if out else "?"
+
+
+class ClusterServer:
+    """A :class:`consul_rdzv.testing.ConsulCluster`: ``servers`` servers and ``clients`` client
+    agents on their own loopback addresses, default gossip timings (``fast=False``: the harness's
+    fast gossip is for failure tests, and costs CPU in every agent), ``log_level`` warn, and
+    ``raft_multiplier`` (the harness runs Raft at 1, production timing for dedicated servers;
+    Consul's default is 5: on this shared 2-core box, with 1024 node threads beside them, servers
+    at 1 lost their leadership under load: "leadership lost while committing log"). The nodes
+    talk to the client agents only (:attr:`endpoints`, one per simulated host)."""
+
+    name = "consul"
+    topology = "cluster"
+
+    def __init__(self, servers: int = 3, clients: int = 16, raft_multiplier: int = 5) -> None:
+        from consul_rdzv.testing import ConsulCluster
+
+        self.raft_multiplier = raft_multiplier
+        self.cluster = ConsulCluster(
+            servers, clients, fast=False, log_level="warn",
+            extra_hcl=f"performance {{ raft_multiplier = {raft_multiplier} }}")
+        self.endpoints: list[str] = []
+        self.start_s: float | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [m.proc.pid for m in self.cluster.members if m.proc and m.proc.poll() is None]
+
+    @property
+    def pid(self) -> int | None:  # the first client agent (for --pprof)
+        clients = self.cluster.clients
+        return clients[0].proc.pid if clients and clients[0].proc else None
+
+    @property
+    def agent(self):
+        return self.cluster.clients[0]
+
+    def start(self) -> str:
+        self.cluster.start(timeout=120)
+        self.start_s = self.cluster.start_seconds
+        hcl = (self.cluster.members[0].workdir / "agent.hcl").read_text()
+        if PROMETHEUS_LINE not in hcl:  # pragma: no cover - the harness default changed
+            self.cluster.close()
+            raise RuntimeError(f"ClusterMember no longer writes {PROMETHEUS_LINE!r}.")
+        self.endpoints = [m.address for m in self.cluster.clients] or [
+            m.address for m in self.cluster.servers]
+        return self.endpoints[0]
+
+    def http_counts(self) -> dict[str, list[float]]:
+        """Requests the nodes' agents (the client agents) served, summed."""
+        total: dict[str, list[float]] = {}
+        for m in self.cluster.clients or self.cluster.servers:
+            for key, (count, ms) in agent_http_counts(m.url, m.management_token).items():
+                entry = total.setdefault(key, [0, 0.0])
+                entry[0] += count
+                entry[1] += ms
+        return total
+
+    def probe(self) -> AgentProbe:
+        """On the first client agent (the one of the first worker process)."""
+        member = (self.cluster.clients or self.cluster.servers)[0]
+        return AgentProbe(member.url, member.management_token)
+
+    def describe(self) -> dict:
+        rss = {m.name: rss_mb(m.proc.pid if m.proc else None) for m in self.cluster.members}
+        servers = [v for k, v in rss.items() if k.startswith("server") and v]
+        clients = [v for k, v in rss.items() if k.startswith("client") and v]
+        return {"topology": "cluster", "servers": len(self.cluster.servers),
+                "clients": len(self.cluster.clients), "start_s": self.start_s,
+                "raft_multiplier": self.raft_multiplier,
+                "server_rss_mb": servers, "client_rss_mb": clients}
+
+    def stop(self, keep_log: str | None = None) -> None:
+        if keep_log:
+            with contextlib.suppress(OSError), open(keep_log, "w") as out:
+                for m in self.cluster.members:
+                    out.write(f"==== {m.name} {m.ip}\n{m.log_text(200000)}\n")
+        self.cluster.close()
 
 
 def _tcpstore_server_main(port_conn, stop_event, hosts_file=None) -> None:
@@ -159,6 +364,10 @@ class TCPStoreServer:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.pid] if self.pid else []
 
     def __init__(self, ctx, hosts_file: str | None = None) -> None:
         self.ctx = ctx
@@ -211,6 +420,10 @@ class EtcdServer:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.pid] if self.pid else []
 
     def __init__(self, binary: str) -> None:
         self.binary = binary

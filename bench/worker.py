@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (bench.product must run before torch is imported)
 """A benchmark worker process: hosts some of the simulated nodes, one thread per node.
 
 Every node builds its handler through torch's registry, exactly as torchrun does
@@ -20,21 +21,42 @@ What is patched here, and why (counting and loopback only; no rendezvous logic i
 * ``DynamicRendezvousHandler._create_tcp_store_server`` (rank 0's shared TCPStore server of the
   c10d and etcd-v2 handlers) binds 127.0.0.1 instead of every interface; it still starts the same
   ``TCPStore(is_master=True, multi_tenant=True)``.
+
+Which consul_rdzv: this checkout's, or the package of ``$BENCH_PRODUCT_DIR`` (``bench.run
+--product``): :mod:`bench.product` decides it before torch's registry imports the package, and
+the ``ready`` message names the files that were loaded.
+
+The SIGTERM victim (scenario ``failover-term``): its main thread gets a SIGTERM handler raising
+torch's ``SignalException``, as torch's agent has while its workers run, so the process unwinds
+instead of dying. A torchrun agent then leaves the interpreter normally and Python runs the
+``atexit`` hooks (consul_rdzv.torch leaves from one). A multiprocessing child ends with
+``os._exit()``, which skips them, so the victim runs them itself (``atexit._run_exitfuncs()``,
+what the interpreter does at exit) and reports over its pipe how long that took.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
 import os
+import queue
 import resource
+import signal
 import socket
 import sys
 import threading
 import time
 import traceback
 from collections import Counter
+from pathlib import Path
+
+# isort: off
+from bench import product  # before torch: decides which consul_rdzv its registry imports
+
+product.activate()
+# isort: on
 
 # Imported here so that the forkserver preloads them (a fork then costs milliseconds, not the
 # seconds of importing torch in every worker of every run).
@@ -204,6 +226,8 @@ class Node:
         self.idx = idx
         self.backend = backend
         self.handler = handler
+        #: Rounds after the first: (phase, monotonic start time or None); None ends the thread.
+        self.phases: queue.Queue = queue.Queue()
         self.rejoin = threading.Event()
         self.rejoin_cause = ""
         self.rejoin_at: float | None = None
@@ -251,13 +275,30 @@ class Node:
             return info.result.round
         return self.handler._state_holder.state.round
 
+    def request_round(self, phase: int, cause: str, start_at: float | None = None) -> None:
+        """Make this node call ``next_rendezvous()`` again (at ``start_at``, or now)."""
+        self.rejoin_cause = cause
+        self.rejoin_at = time.monotonic()
+        self.rejoin.set()
+        self.phases.put((phase, start_at))
+
     def kill(self) -> None:
         """Thread-mode death: stop this node's heartbeat/keep-alive, no cleanup at all."""
         self.killed = True
-        if self.backend == "consul":
-            self.handler.rendezvous.halt()
-        else:
+        self.phases.put(None)
+        if self.backend != "consul":
             self.handler._stop_heartbeats()
+            return
+        rdzv = self.handler.rendezvous
+        if hasattr(rdzv, "halt"):
+            rdzv.halt()
+            return
+        # consul_rdzv up to e2ac5ef: one heartbeat thread, a generation that ends the watch.
+        with rdzv._lock:
+            rdzv._generation += 1
+        heartbeat = getattr(rdzv, "_heartbeat", None)
+        if heartbeat is not None:
+            heartbeat.stop()
 
 
 def _round(node: Node, phase: int, out) -> None:
@@ -315,9 +356,16 @@ def _node_thread(node: Node, go: threading.Event, out) -> None:
     _tls.node = node
     go.wait()
     _round(node, 1, out)
-    node.rejoin.wait()
-    if not node.killed:
-        _round(node, 2, out)
+    while True:
+        item = node.phases.get()
+        if item is None or node.killed:
+            return
+        phase, start_at = item
+        if start_at is not None:
+            delay = start_at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        _round(node, phase, out)
 
 
 class Monitor(threading.Thread):
@@ -356,9 +404,7 @@ class Monitor(threading.Thread):
                     node.detected_at = t
                     self.out.put({"type": "detect", "idx": node.idx, "t": t, "waiting": waiting})
                     if self.trigger:
-                        node.rejoin_cause = "detected"
-                        node.rejoin_at = time.monotonic()
-                        node.rejoin.set()
+                        node.request_round(2, "detected")
             self.ticks += 1
             next_tick += self.interval
             delay = next_tick - time.monotonic()
@@ -437,6 +483,26 @@ def _cpu() -> float:
     return t.user + t.system
 
 
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads since they started, grouped by name without the
+    node id (``consul-rdzv-pass``, ``node``, ...): where a loaded worker's CPU goes. Threads
+    that already ended are one line, ``(ended threads)``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    groups: Counter = Counter()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), "(threads of torch/libuv)")
+        group = name.rsplit("-n", 1)[0] if name.startswith("consul-rdzv-") else name
+        group = group.rstrip("0123456789").rstrip("-") or group
+        groups[group] += (int(fields[11]) + int(fields[12])) / tick
+    groups["(ended threads)"] = max(0.0, _cpu() - sum(groups.values()))
+    return {k: round(v, 2) for k, v in groups.items() if v >= 0.005}
+
+
 def main(spec: dict, conn, go_mp, out) -> None:
     """Entry point of one worker process (started by the forkserver)."""
     if spec.get("hosts_file"):
@@ -487,10 +553,54 @@ def main(spec: dict, conn, go_mp, out) -> None:
         go.set()
 
     threading.Thread(target=relay, daemon=True, name="go-relay").start()
+    if spec.get("term_victim"):
+        signal.signal(signal.SIGTERM, _raise_signal_exception)
     out.put({"type": "ready", "pid": os.getpid(), "nodes": {n.idx: n.name for n in nodes},
-             "cpu": _cpu(),
+             "cpu": _cpu(), "files": product.loaded_files() if backend == "consul" else {},
              "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0]})
+    try:
+        _serve(nodes, conn, out, log)
+    except BaseException as exc:
+        if not spec.get("term_victim"):
+            raise
+        _exit_as_an_agent(exc, nodes, conn, log)
 
+
+def _raise_signal_exception(signum: int, frame) -> None:
+    """What torch's agent does on SIGTERM while its workers run (``_terminate_process_handler``)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    sig = signal.Signals(signum)
+    raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+
+
+def _exit_as_an_agent(exc: BaseException, nodes: list[Node], conn, log) -> None:
+    """The SIGTERM victim unwound (``SignalException``): run the atexit hooks as the
+    interpreter of a torchrun agent would at exit, tell the runner how long they took, exit."""
+    t_caught = time.monotonic()
+    error = None
+    try:
+        atexit._run_exitfuncs()  # consul_rdzv.torch leaves here (it has no hook before 2ba1613)
+    except BaseException as err:  # pragma: no cover - reported
+        error = f"{type(err).__name__}: {err}"
+    t_done = time.monotonic()
+    left = []
+    for n in nodes:
+        rdzv = getattr(n.handler, "rendezvous", None)
+        left.append(bool(getattr(rdzv, "left", False)) if rdzv is not None else None)
+    with contextlib.suppress(OSError, BrokenPipeError):
+        conn.send({"type": "terminated", "pid": os.getpid(), "exception": type(exc).__name__,
+                   "t_caught": t_caught, "t_atexit_done": t_done, "left": left,
+                   "error": error})
+    log.write(f"{time.strftime('%H:%M:%S')} {os.getpid()} terminated by "
+              f"{type(exc).__name__}: {exc}; atexit hooks took {t_done - t_caught:.3f}s; "
+              f"left: {left}\n")
+    log.flush()
+    os._exit(0)
+
+
+def _serve(nodes: list[Node], conn, out, log) -> None:
+    """The runner's commands, until it says exit (or goes away)."""
     by_idx = {n.idx: n for n in nodes}
     monitor: Monitor | None = None
     while True:
@@ -513,17 +623,20 @@ def main(spec: dict, conn, go_mp, out) -> None:
             node.kill()
             out.put({"type": "killed", "idx": node.idx, "t": time.monotonic()})
         elif op == "rejoin":
-            t = time.monotonic()
             for n in nodes:
                 if not n.killed and not n.rejoin.is_set():
-                    n.rejoin_cause = "told"
-                    n.rejoin_at = t
-                    n.rejoin.set()
+                    n.request_round(2, "told")
+        elif op == "rounds":  # back-to-back: node idx enters at start + idx * stagger
+            _, phase, start, stagger = cmd
+            for n in nodes:
+                if not n.killed:
+                    n.request_round(phase, "back-to-back", start + n.idx * stagger)
         elif op == "cpu":
             with _lock:
                 times = {k: list(v) for k, v in HTTP_TIMES.items()}
                 HTTP_TIMES.clear()
-            out.put({"type": "cpu", "pid": os.getpid(), "cpu": _cpu(), "http": times})
+            out.put({"type": "cpu", "pid": os.getpid(), "cpu": _cpu(), "http": times,
+                     "threads": _thread_cpu()})
         elif op == "profile":
             saved = _save_profile(nodes, cmd[1])
             out.put({"type": "profiled", "pid": os.getpid(), "path": cmd[1] if saved else None})
