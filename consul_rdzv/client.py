@@ -601,12 +601,17 @@ class ConsulClient:
         return QueryResult(self._index(resp), KVEntry.from_json(resp.json()[0]))
 
     def kv_list(self, prefix: str, *, index: int | None = None, wait: float | None = None,
-                consistent: bool = False, deadline: float | None = None) -> QueryResult:
-        """Every key under ``prefix`` (``data`` is a list of :class:`KVEntry`, maybe empty)."""
+                consistent: bool = False, stale: bool = False,
+                deadline: float | None = None) -> QueryResult:
+        """Every key under ``prefix`` (``data`` is a list of :class:`KVEntry`, maybe empty).
+
+        ``stale``: any server may answer (no leader needed; may lag a little)."""
         params, read_timeout = self._blocking_params(index, wait)
         params["recurse"] = ""
         if consistent:
             params["consistent"] = ""
+        if stale:
+            params["stale"] = ""
         resp = self._call("GET", f"/v1/kv/{prefix}", params=params, read_timeout=read_timeout,
                           deadline=deadline, ok_404=True)
         if resp.status_code == 404:
@@ -618,7 +623,7 @@ class ConsulClient:
         return self.kv_keys_query(prefix, separator=separator, deadline=deadline).data
 
     def kv_keys_query(self, prefix: str, *, separator: str | None = None,
-                      index: int | None = None, wait: float | None = None,
+                      index: int | None = None, wait: float | None = None, stale: bool = False,
                       deadline: float | None = None) -> QueryResult:
         """The key names under ``prefix`` (``data``: list of str), as a possibly blocking query.
 
@@ -627,6 +632,8 @@ class ConsulClient:
         """
         params, read_timeout = self._blocking_params(index, wait)
         params.update(keys="", separator=separator)
+        if stale:
+            params["stale"] = ""
         resp = self._call("GET", f"/v1/kv/{prefix}", params=params, read_timeout=read_timeout,
                           deadline=deadline, ok_404=True)
         return QueryResult(self._index(resp), [] if resp.status_code == 404 else resp.json())

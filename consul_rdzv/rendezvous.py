@@ -745,14 +745,15 @@ class ConsulRendezvous:
     def _watch_loop(self, result: RoundResult, generation: int) -> None:
         """Keeps ``num_nodes_waiting()`` current while the round runs; ends when it breaks.
 
-        Blocks on the member key *names* (``?keys``), and reads the values (for their
+        Blocks on the member key *names* (``?keys``, ``?stale``: any server may answer, so a
+        leader that is cut off or electing does not stall it), and reads the values (for their
         ModifyIndex) only when the names cannot tell: a key was added, or rewritten while keys
-        of non-participants exist. When keys only vanished (a death: at scale every survivor
-        wakes at once) or a participant's key was rewritten (it asks for a new round) the names
-        are enough; a full read of a 1024-node run is ~430 KB and ~9 ms of client CPU per
-        watcher, the names ~24 KB and 0.3 ms. Once the round is broken the watch ends: this
-        node will join the next round anyway, and reading on would cost every node a request
-        per re-announcement (O(W^2) in a mass re-announce).
+        of non-participants exist, or the watch starts over after a failed query. When keys only
+        vanished (a death: at scale every survivor wakes at once) or a participant's key was
+        rewritten (it asks for a new round) the names are enough; a full read of a 1024-node run
+        is ~430 KB and ~9 ms of client CPU per watcher, the names ~24 KB and 0.3 ms. Once the
+        round is broken the watch ends: this node will join the next round anyway, and reading
+        on would cost every node a request per re-announcement (O(W^2) in a mass re-announce).
         """
         prefix = self.keys.members
         participants = set(result.participants)
@@ -763,21 +764,26 @@ class ConsulRendezvous:
         failures = 0
         while self._generation == generation:
             try:
+                # After a failure the index was reset: the next answer's index says nothing
+                # about what changed (a leader election is not a participant's rewrite).
+                reread = index.index == 0
                 res = self.client.kv_keys_query(prefix, index=index.param, wait=WATCH_WAIT,
+                                                stale=True,
                                                 deadline=time.monotonic())  # retried below
                 names = {k[len(prefix):] for k in res.data}
                 moved = res.index != index.index
                 index.update(res.index)
-                rewrite = names == known.keys() and moved and names <= participants
-                if names < known.keys():
+                rewrite = (not reread and names == known.keys() and moved
+                           and names <= participants)
+                if names < known.keys() and not reread:
                     known = {n: known[n] for n in names}
                 elif rewrite:
                     # Same names, all participants, a key rewritten: a participant asks for a
                     # new round. Which one matters to nobody: the round is over.
                     self._end_watch(result, generation, "a participant asks for a new round")
                     return
-                elif names != known.keys() or moved:
-                    full = self.client.kv_list(prefix, deadline=time.monotonic())
+                elif reread or names != known.keys() or moved:
+                    full = self.client.kv_list(prefix, stale=True, deadline=time.monotonic())
                     index.update(full.index)
                     known = {e.key[len(prefix):]: _view(e) for e in full.data}
                 failures = 0

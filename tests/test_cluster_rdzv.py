@@ -12,10 +12,10 @@ requests over several servers (a load balancer), which the nodes refuse with a c
 
 Waits have deadlines (never fixed sleeps; ``stays`` observes a window for negative claims);
 figures are printed with a ``[figure]`` tag (``pytest -s``). Where a test must tell Consul's
-failure detection (serf: about 1.5 s here) from a check TTL lapsing, the TTL is long. Two
-product issues these tests found are marked ``xfail(raises=..., strict=True)`` with the
-exception classes below, which describe them: the rest of such a test must pass, and the fix
-turns it into a strict XPASS (remove the marker then). docs/deployment.md has the figures.
+failure detection (serf: about 1.5 s here) from a check TTL lapsing, the TTL is long. A
+product issue these tests found is marked ``xfail(raises=..., strict=True)`` with the
+exception class below that describes it: the rest of such a test must pass, and a fix turns
+it into a strict XPASS (remove the marker then). docs/deployment.md has the figures.
 """
 
 from __future__ import annotations
@@ -92,12 +92,12 @@ def assert_sessions_alive(nodes: Cluster, expected: dict[str, str | None]) -> No
 
 
 class WatchEndsTheRoundAfterAFailedQuery(AssertionError):
-    """Known product bug (consul_rdzv/rendezvous.py, ``_watch_loop``): after a failed query
-    the training watch resets its index to 0, and the next answer's index "moved" from 0, so
-    unchanged member keys read as a participant asking for a new round: the round ends and
-    ``num_nodes_waiting()`` turns 1 on every node whose watch saw a Consul error (a leader
-    election fails every in-flight blocking query). Fix: after a reset, read the values
-    (``kv_list``) instead of taking the names' shortcut."""
+    """A fixed product bug (consul_rdzv/rendezvous.py, ``_watch_loop``): after a failed query
+    the training watch reset its index to 0, and the next answer's index "moved" from 0, so
+    unchanged member keys read as a participant asking for a new round: the round ended and
+    ``num_nodes_waiting()`` turned 1 on every node whose watch saw a Consul error (a leader
+    election fails every in-flight blocking query). Now, after a reset, the watch reads the
+    values instead of taking the names' shortcut (and reads with ``?stale``)."""
 
 
 class PassesWaitForTheServers(AssertionError):
@@ -311,8 +311,6 @@ def assert_one_live_store(infos) -> None:
     worker.set("worker", b"w")
 
 
-@pytest.mark.xfail(raises=WatchEndsTheRoundAfterAFailedQuery, strict=True,
-                   reason="known product bug: see WatchEndsTheRoundAfterAFailedQuery")
 @pytest.mark.timeout(180)
 def test_torch_handlers_on_two_client_agents_train_through_a_leader_kill(cluster, prefix):
     """Two torchrun agents on two hosts, built through torch's registry, each pointed at its
@@ -370,8 +368,6 @@ def test_torch_handlers_on_two_client_agents_train_through_a_leader_kill(cluster
 # ================================================================ 2. leader and followers
 
 
-@pytest.mark.xfail(raises=WatchEndsTheRoundAfterAFailedQuery, strict=True,
-                   reason="known product bug: see WatchEndsTheRoundAfterAFailedQuery")
 @pytest.mark.timeout(120)
 def test_leader_killed_while_training_declares_no_live_node_dead(cluster, nodes):
     """The leader server is SIGKILLed while four nodes on two client agents train (check TTL
