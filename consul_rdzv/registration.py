@@ -111,13 +111,16 @@ class Registration:
         self.incarnation = incarnation
         self.service_id = f"{settings.run_id}-{node_id}"
         self.check_id = f"{self.service_id}:ttl:{incarnation.id[:8]}"
-        #: While True the second thread probes the session every interval (joining nodes); a
-        #: training node's membership watch sees its key vanish instead.
-        self.probe_session = True
+        #: From this monotonic time on, the keep thread probes the session every interval (a
+        #: node that has been joining for a while); None: no probing (a training node's
+        #: membership watch sees its key vanish instead). See probe_session_from().
+        self._probe_from: float | None = time.monotonic()
         self._on_lost = on_lost
         self._session: str | None = None
         self._lost = threading.Event()
         self._lost_reason = ""
+        #: Lost only on our own evidence (no pass succeeded for the TTL), not Consul's word.
+        self._lost_suspected = False
         self._replaced_by: str | None = None
         self._closed = False
         self._meta: dict[str, str] = {"state": "joining"}
@@ -155,6 +158,11 @@ class Registration:
         return self._lost.is_set()
 
     @property
+    def lost_confirmed(self) -> bool:
+        """Lost on Consul's word (a 404, a vanished key), not only our own failed passes."""
+        return self._lost.is_set() and not self._lost_suspected
+
+    @property
     def lost_reason(self) -> str:
         return self._lost_reason
 
@@ -168,16 +176,34 @@ class Registration:
         """Seconds since the check was last passed (a pass resets Consul's TTL timer)."""
         return time.monotonic() - self._last_pass
 
-    def mark_lost(self, reason: str) -> None:
-        """This node's session or check is gone (or about to be): it is out of its round."""
-        if self._lost.is_set() or self._closed:
+    def mark_lost(self, reason: str, *, confirmed: bool = True) -> None:
+        """This node's session or check is gone (or about to be): it is out of its round.
+
+        ``confirmed=False``: only this node's own evidence (its passes failed for the TTL), not
+        Consul's word; :meth:`ensure` keeps the session if it turns out to be alive, and
+        ``on_lost`` is not called (an overloaded agent that answers late must not end a round
+        that Consul still holds together).
+        """
+        if self._closed:
+            return
+        if self._lost.is_set():
+            if confirmed and self._lost_suspected:
+                self._lost_suspected = False
+                if self._on_lost:
+                    self._on_lost(reason)
             return
         self._lost_reason = reason
+        self._lost_suspected = not confirmed
         self._lost.set()
         logger.warning("Node %s of run %s: %s; it will register again at its next round.",
                        self.node_id, self.settings.run_id, reason)
-        if self._on_lost:
+        if confirmed and self._on_lost:
             self._on_lost(reason)
+
+    def probe_session_from(self, when: float | None) -> None:
+        """Probe the session every interval from monotonic time ``when`` on (None: never)."""
+        self._probe_from = when
+        self._wake.set()
 
     # ------------------------------------------------------------------ registering
 
@@ -232,6 +258,8 @@ class Registration:
             raise self._misconfigured
         old = self._session
         if old is not None and not self._lost.is_set():
+            return old
+        if old is not None and self._lost_suspected and self._still_alive(old, deadline):
             return old
         checked = False
         if old is not None and (self._suspect or self._heartbeat_kept_up()):
@@ -308,6 +336,22 @@ class Registration:
                                      f"{meta.get('host', '?')}")
                 raise self._replaced_error()
         return False
+
+    def _still_alive(self, session: str, deadline: float) -> bool:
+        """After a suspected loss (passes failed for the TTL: an overloaded or unreachable
+        agent): if Consul still holds our session, its check never lapsed and nothing was lost.
+        Keep it: a new session would delete our keys and end the round for everyone."""
+        try:
+            alive = self.client.session_info(session, deadline=deadline) is not None
+        except ConsulError:
+            return False
+        if alive:
+            logger.info("Node %s of run %s: its session survived the heartbeat gap; it keeps "
+                        "its registration.", self.node_id, self.settings.run_id)
+            self._lost_suspected = False
+            self._lost_reason = ""
+            self._lost.clear()
+        return alive
 
     def _replaced_error(self) -> RendezvousStateError:
         return RendezvousStateError(
@@ -568,24 +612,23 @@ class Registration:
             if silent > ttl and self._session is not None:
                 self.mark_lost(
                     f"its check could not be passed for {silent:.1f}s (heartbeat_timeout "
-                    f"{ttl:g}s): Consul at {self.client.config.url} is unreachable or too slow "
-                    "and has declared this node dead"
-                )
+                    f"{ttl:g}s): Consul at {self.client.config.url} is unreachable or too slow, "
+                    "and has most likely declared this node dead", confirmed=False)
 
     def _keep_loop(self) -> None:
-        """Server RPCs, off the check's thread: the session probe, the meta publish."""
+        """Server RPCs, off the check's thread: the session probe, the meta publish. Sleeps
+        until one is due (a training node's keep thread wakes only to publish its meta)."""
         interval = self.settings.heartbeat_interval
         next_probe = time.monotonic() + interval
         while not self._stop.is_set():
-            wake_at = next_probe
-            if self._meta_due is not None:
-                wake_at = min(wake_at, self._meta_due)
-            self._wake.wait(max(0.0, wake_at - time.monotonic()))
+            due = [t for t in (self._probe_due(next_probe), self._meta_due) if t is not None]
+            self._wake.wait(max(0.0, min(due) - time.monotonic()) if due else None)
             self._wake.clear()
             if self._stop.is_set():
                 return
             now = time.monotonic()
-            if now >= next_probe:
+            probe_at = self._probe_due(next_probe)
+            if probe_at is not None and now >= probe_at:
                 next_probe = now + interval
                 self._probe()
             if self._meta_due is not None and time.monotonic() >= self._meta_due:
@@ -601,9 +644,13 @@ class Registration:
                 finally:
                     self._ensure_lock.release()
 
+    def _probe_due(self, next_probe: float) -> float | None:
+        start = self._probe_from
+        return None if start is None else max(start, next_probe)
+
     def _probe(self) -> None:
         session = self._session
-        if session is None or not self.probe_session or self._lost.is_set():
+        if session is None or self._lost.is_set():
             return
         try:
             # The session has no TTL: renewing it only asks whether it still exists.

@@ -197,7 +197,9 @@ class ConsulRendezvous:
             self._generation += 1  # ends the training watch of the previous round
             self._waiting = 0
             self._broken.clear()
-        self.registration.probe_session = True
+        # Probe the session only once the node has waited a while: a quick round needs no
+        # probe, and a lost session usually shows up as a lapsed check anyway.
+        self.registration.probe_session_from(time.monotonic() + self.settings.heartbeat_timeout)
         started = time.time()
         requests_before = self.client.requests_sent_by_this_thread
         deadline = time.monotonic() + self.settings.join_timeout
@@ -737,7 +739,7 @@ class ConsulRendezvous:
 
     def _start_watch(self, result: RoundResult) -> None:
         # The watch sees our member key vanish with our session: no need to probe it too.
-        self.registration.probe_session = False
+        self.registration.probe_session_from(None)
         thread = threading.Thread(target=self._watch_loop, args=(result, self._generation),
                                   name=f"consul-rdzv-watch-{self.node_id}", daemon=True)
         thread.start()
@@ -815,7 +817,7 @@ class ConsulRendezvous:
                 if not broken:
                     logger.info("Node %s sees %d node(s) waiting to join run %s (round %d).",
                                 self.node_id, waiting, self.run_id, result.round)
-            if self.registration.lost:
+            if self.registration.lost_confirmed:
                 self._set_broken(f"this node is out of its round: "
                                  f"{self.registration.lost_reason}")
             if not broken:
@@ -836,7 +838,9 @@ class ConsulRendezvous:
             logger.info("Round %d of run %s is over for node %s (%s).", result.round,
                         self.run_id, self.node_id, reason)
             self._set_broken(f"round {result.round} is over ({reason})")
-            self.registration.probe_session = True  # nobody watches our key any more
+            # nobody watches our key any more
+            self.registration.probe_session_from(time.monotonic()
+                                                 + self.settings.heartbeat_interval)
 
 
 def _view(entry) -> MemberView:

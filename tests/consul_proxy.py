@@ -35,6 +35,7 @@ class ConsulProxy:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.server_delay = 0.0
+        self.agent_answer_delay = 0.0
         self.counts: Counter[str] = Counter()
         self._healed = threading.Event()
         self._healed.set()
@@ -46,11 +47,17 @@ class ConsulProxy:
     def delay_server_rpcs(self, seconds: float) -> None:
         self.server_delay = seconds
 
+    def delay_agent_answers(self, seconds: float) -> None:
+        """Forward ``/v1/agent/...`` requests at once but answer them ``seconds`` late: the
+        agent acts on them (a check pass resets its TTL) while the caller times out."""
+        self.agent_answer_delay = seconds
+
     def black_hole(self) -> None:
         self._healed.clear()
 
     def heal(self) -> None:
         self.server_delay = 0.0
+        self.agent_answer_delay = 0.0
         self._healed.set()
 
     # ------------------------------------------------------------------ lifecycle
@@ -82,6 +89,8 @@ class ConsulProxy:
                 # A cut holds answers already in flight too (a blocking query sent before the
                 # cut must not deliver its answer through it).
                 proxy._healed.wait()
+                if path.startswith("/v1/agent/") and proxy.agent_answer_delay:
+                    time.sleep(proxy.agent_answer_delay)
                 self.send_response(answer.status)
                 for key, value in answer.headers.items():
                     if key.lower() not in _HOP_HEADERS:

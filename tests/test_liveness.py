@@ -188,6 +188,33 @@ def test_node_cut_off_from_consul_learns_it_is_out_and_rejoins_when_healed(nodes
            f"(heartbeat_timeout {HB:g}s)")
 
 
+@pytest.mark.timeout(300)
+def test_late_heartbeat_answers_do_not_end_a_round_consul_still_holds(nodes, agent):
+    """An overloaded agent acts on a node's check passes but answers them late: the node
+    cannot tell and counts itself out after heartbeat_timeout (num_nodes_waiting() >= 1), but
+    that suspicion alone ends nobody's round, and at its next round the node keeps its
+    session, which Consul never dropped."""
+    settings = nodes.settings(min_nodes=2, max_nodes=2, heartbeat_timeout=HB,
+                              consul_timeout=10.0)
+    a = nodes.node("a", settings)
+    with ConsulProxy(agent.url) as proxy:
+        slow = nodes.node("slow", settings, client=proxied_client(proxy, 10.0))
+        first = nodes.rounds([a, slow], timeout=30)
+        assert_round_ok(first, 2, 2)
+        session = slow.session_id
+        proxy.delay_agent_answers(settings.heartbeat_interval * 3)
+        wait_for(lambda: slow.num_nodes_waiting() >= 1, HB * 4, "slow suspects itself out")
+        assert slow.wait_round_broken(0) is None, "a suspicion ended the round"
+        stays(lambda: a.num_nodes_waiting() == 0 and set(nodes.members()) == {"a", "slow"},
+              HB, "Consul dropped a node whose passes arrived")
+        proxy.heal()
+        second = nodes.rounds([a, slow], timeout=30)
+        assert_round_ok(second, 2, 2)
+        assert slow.session_id == session, "the node replaced a session Consul still held"
+    figure("late heartbeat answers: the node suspected itself out, nobody's round ended, and "
+           "it kept its session")
+
+
 # ============================================================================ 9. explicit ranks
 
 
