@@ -1,0 +1,1601 @@
+"""A seeded, randomized fault campaign on a real Consul cluster (issue 12).
+
+    python -m bench.campaign --seed 7 --rounds 500 [--nodes 6] [--out report.json]
+    python -m bench.campaign --seed 7 --schedule-only 20    # print the fault schedule only
+    python -m bench.campaign --seed 0 --check-events LOGS/events.jsonl   # check a recorded run
+
+What runs: a :class:`~consul_rdzv.testing.ConsulCluster` (3 servers and 3 client agents, each on
+its own 127.X.Y.Z), ``--nodes`` real node processes (``bench/campaign_node.py``: protocol level,
+no torch) spread over the client agents, each joining rounds back to back with a short random
+"training" time between, a watcher that records every value of ``P/round/current`` (consistent
+blocking reads, from whichever server answers), and a fault injector. A killed node process is
+replaced by a new one after a random delay, under the same node id (the takeover of
+docs/protocol.md, "One node id, one process") or a new one, on a client agent drawn at random.
+
+Fault kinds (:data:`KINDS`, weights; ``--kinds`` picks some):
+
+* ``worker_kill_training`` / ``worker_kill_joining``: SIGKILL of a node process that trains (it
+  has its round and will ask for the next one) or is inside ``next_round()``;
+* ``worker_freeze_short`` / ``worker_freeze_long``: SIGSTOP, SIGCONT 0.2-0.7x or 1.5-3x
+  ``heartbeat_timeout`` later (the check survives, or lapses and the node comes back);
+* ``coordinator_kill``: SIGKILL of the node process that holds ``P/round/leader``;
+* ``worker_replace``: a node process is frozen, a new process with its node id starts (on a
+  client agent drawn at random), the old one is thawed later and must stop with a
+  ``RendezvousStateError`` without ever sharing a round with its replacement;
+* ``leader_server_kill``: SIGKILL of the Raft leader, restarted 1-6 s later;
+* ``leader_kill_at_seal``: the same, timed at a seal: once every live participant of the last
+  round has asked for the next one, the leader is killed ``pick`` x 60 ms later, while the
+  coordinator's seal transaction is likely in flight (Consul may commit it and the answer be
+  lost);
+* ``server_restart``: SIGTERM of a server (graceful), started again 0.5-4 s later;
+* ``client_agent_kill``: SIGKILL of a client agent (a host's agent dies), restarted 1-6 s later.
+
+Server faults never overlap (the next one is planned at least :data:`SERVER_SETTLE` s after the
+previous server is back): the cluster keeps its quorum, apart from the seconds of an election.
+
+**Seeded.** ``random.Random(seed)`` draws the whole schedule before it is used: the time of each
+fault (seconds after the first round), its kind, duration and target choice (a number in [0, 1)
+that picks among the candidates sorted by slot: which node trains, which server leads is only
+known at run time). The same seed gives the same schedule (``--schedule-only`` prints it); the
+outcome is not bit-identical, because timing on a shared machine varies (which node happens to
+be joining, how long an election takes).
+
+**Invariants** (:func:`check_invariants`), on every sealed round, from what every node reported
+and from every value of ``P/round/current`` the watcher saw: ranks exactly 0..W-1 and unique (and
+each node's rank is its index in the participants); every report of a round number agrees on
+the round, world size, participants, hosts, trainer-store endpoint and seal id, and with
+Consul; min_nodes <= W <= max_nodes; one seal per round number; a process never returns a round
+number lower than or equal to one it returned before; no two processes of one node id in the
+same round; the store is the endpoint advertised by the process of rank 0; round numbers in
+Consul never go backwards; the run is never closed. Liveness (:func:`check_missed_rounds`): a
+process returns a round meant for it (listing it, covering its current member write) within
+20 s while it can (running, not frozen, its agent up); a round is sealed at least every
+``--stall-timeout`` seconds; once faults stop and the cluster is restored, a full round of the
+live nodes forms. Any violation makes the exit status 1. docs/campaign.md has the long run and
+what the campaign found.
+
+**Figures**: rounds, faults by kind (and skipped ones: no candidate within 15 s), violations by
+kind, recovery time per fault (from the fault to the next round sealed that does not contain an
+affected node, or that its live process joined: a killed node's replacement under the same id,
+a thawed node, a node whose agent came back; for server faults the next round sealed), with p50
+and p99 per kind, the errors nodes raised (type, count, why), unexpected process exits.
+``--out`` writes everything as JSON; node logs, every event and the agents' logs are kept in
+``--logs`` (or in a temporary directory that is kept only when there is a violation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import bisect
+import contextlib
+import dataclasses
+import hashlib
+import heapq
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from consul_rdzv.client import ConsulClient
+from consul_rdzv.errors import ConsulError
+from consul_rdzv.layout import Keys
+from consul_rdzv.testing import CONSUL_VERSION, ClusterMember, ConsulCluster
+
+from .campaign_node import EXIT_REPLACED, endpoint_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Fault kinds and their weights in the schedule (see the module docstring).
+KINDS: dict[str, float] = {
+    "worker_kill_training": 2.0,
+    "worker_kill_joining": 2.0,
+    "worker_freeze_short": 1.0,
+    "worker_freeze_long": 1.0,
+    "coordinator_kill": 2.0,
+    "worker_replace": 1.0,
+    "leader_server_kill": 3.0,
+    "leader_kill_at_seal": 2.0,
+    "server_restart": 1.5,
+    "client_agent_kill": 1.5,
+}
+SERVER_KINDS = frozenset({"leader_server_kill", "leader_kill_at_seal", "server_restart"})
+NODE_KILL_KINDS = frozenset({"worker_kill_training", "worker_kill_joining", "coordinator_kill"})
+#: No server fault is planned before the previous one's server has been back this long (it
+#: catches up, a leader settles): server faults never overlap, so the quorum holds.
+SERVER_SETTLE = 10.0
+#: Likewise for client agents: one agent down at a time.
+AGENT_SETTLE = 3.0
+#: A fault whose target cannot be found (no node joining, no coordinator, a server still down)
+#: is tried again for this long after its planned time, then counted as skipped.
+DEFER_MAX = 15.0
+#: A fault the injector reaches this late (it was held up) shifts the rest of the schedule.
+LATE_SHIFT = 1.0
+#: A replaced process must have stopped this long after it was thawed.
+REPLACED_EXIT_WITHIN = 30.0
+
+
+def _duration_range(kind: str, heartbeat: float) -> tuple[float, float]:
+    """Seconds: the freeze, the down time of an agent, or the delay before a killed node's
+    replacement starts."""
+    if kind == "worker_freeze_short":
+        return 0.2 * heartbeat, 0.7 * heartbeat
+    if kind == "worker_freeze_long":
+        return 1.5 * heartbeat, 3.0 * heartbeat
+    if kind == "worker_replace":
+        return 0.5 * heartbeat, 2.5 * heartbeat
+    if kind in ("leader_server_kill", "leader_kill_at_seal"):
+        return 1.0, 6.0
+    if kind == "server_restart":
+        return 0.5, 4.0
+    if kind == "client_agent_kill":
+        return 1.0, 6.0
+    return 0.2, 3.0  # a killed node's replacement
+
+
+# ----------------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One planned fault, drawn from the seed alone.
+
+    ``at``: seconds after the campaign's first round. ``pick`` chooses the target among the
+    candidates found at run time (sorted by slot, or the servers / client agents in order);
+    ``duration`` see :func:`_duration_range`; ``same_id`` and ``agent_pick``: a killed node's
+    replacement keeps its node id or gets a new one, and talks to the client agent
+    ``agent_pick`` chooses.
+    """
+
+    index: int
+    at: float
+    kind: str
+    pick: float
+    duration: float
+    same_id: bool
+    agent_pick: float
+
+
+def fault_schedule(seed: int, *, gap: tuple[float, float] = (2.0, 7.0),
+                   heartbeat: float = 2.0,
+                   kinds: dict[str, float] | None = None) -> Iterator[FaultSpec]:
+    """The endless fault schedule of ``seed``: the same seed, the same sequence.
+
+    Each fault draws the same five numbers whatever its kind, so the sequence depends on nothing
+    but the seed and the arguments. Server faults are spaced so that they never overlap (see
+    :data:`SERVER_SETTLE`), client agent kills likewise.
+    """
+    weights = dict(kinds if kinds is not None else KINDS)
+    if not weights or any(k not in KINDS for k in weights):
+        raise ValueError(f"unknown fault kinds: {sorted(set(weights) - set(KINDS))}")
+    rng = random.Random(seed)
+    at = 0.0
+    server_free = agent_free = 0.0
+    index = 0
+    while True:
+        at += rng.uniform(*gap)
+        u_kind, pick, u_duration, same, agent_pick = (rng.random() for _ in range(5))
+        allowed = {k: w for k, w in weights.items()
+                   if not (k in SERVER_KINDS and at < server_free)
+                   and not (k == "client_agent_kill" and at < agent_free)}
+        if not allowed:
+            continue
+        kind = _weighted(allowed, u_kind)
+        lo, hi = _duration_range(kind, heartbeat)
+        duration = lo + u_duration * (hi - lo)
+        if kind in SERVER_KINDS:
+            server_free = at + duration + SERVER_SETTLE
+        elif kind == "client_agent_kill":
+            agent_free = at + duration + AGENT_SETTLE
+        yield FaultSpec(index=index, at=round(at, 3), kind=kind, pick=round(pick, 6),
+                        duration=round(duration, 3), same_id=same < 0.5,
+                        agent_pick=round(agent_pick, 6))
+        index += 1
+
+
+def _weighted(weights: dict[str, float], u: float) -> str:
+    total = sum(weights.values())
+    acc = 0.0
+    for kind, weight in weights.items():
+        acc += weight / total
+        if u < acc:
+            return kind
+    return next(reversed(weights))
+
+
+def schedule_digest(specs: Iterable[FaultSpec]) -> str:
+    """SHA-256 (first 16 hex digits) of a schedule prefix: equal seeds give equal digests."""
+    text = json.dumps([dataclasses.asdict(s) for s in specs], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _pick(candidates: list, u: float):
+    return candidates[min(int(u * len(candidates)), len(candidates) - 1)]
+
+
+# ----------------------------------------------------------------------------------- invariants
+
+
+def _seal_of(values: dict) -> dict:
+    """The sealed content of a round, from a node's report or a ``P/round/current`` value."""
+    ranks = values.get("participants", values.get("ranks")) or []
+    return {"round": values.get("round"), "ranks": list(ranks),
+            "hosts": list(values.get("hosts") or []), "store": values.get("store"),
+            "members_index": values.get("members_index"),
+            "coordinator": values.get("coordinator"), "seal_id": values.get("seal_id")}
+
+
+def _key(seal: dict) -> str:
+    return json.dumps(seal, sort_keys=True)
+
+
+def check_invariants(reports: list[dict], consul_values: list[dict],
+                     endpoints: dict[int, dict], node_of: dict[int, str], *,
+                     min_nodes: int, max_nodes: int) -> list[dict]:
+    """Every violation of the round invariants in a campaign's records (empty: none).
+
+    ``reports``: the ``round`` events of the node processes, in the order each process printed
+    them, each with its process ``serial``; ``consul_values``: every value of
+    ``P/round/current`` the watcher saw, in order (``{"recv", "modify_index", "value"}``);
+    ``endpoints``: the trainer-store endpoint each process advertised; ``node_of``: each
+    process's node id. A violation is ``{"kind", "round", "detail", "evidence"}``.
+    """
+    violations: list[dict] = []
+
+    def violation(kind: str, round_no, detail: str, **evidence) -> None:
+        violations.append({"kind": kind, "round": round_no, "detail": detail,
+                           "evidence": evidence})
+
+    endpoints_of: dict[str, list[dict]] = defaultdict(list)
+    for serial, endpoint in endpoints.items():
+        endpoints_of[node_of[serial]].append(endpoint)
+
+    # The content of each round number, from every source.
+    contents: dict[int, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    checked: set[str] = set()
+
+    def check_seal(seal: dict, source: str) -> None:
+        contents[seal["round"]][_key(seal)].append(source)
+        if _key(seal) in checked:
+            return
+        checked.add(_key(seal))
+        ranks, number = seal["ranks"], seal["round"]
+        if not ranks or len(set(ranks)) != len(ranks):
+            violation("ranks", number, f"round {number} ranks are not unique node ids: {ranks}",
+                      seal=seal, source=source)
+        if not min_nodes <= len(ranks) <= max_nodes:
+            violation("world_size", number, f"round {number} has W={len(ranks)} outside "
+                      f"[{min_nodes}, {max_nodes}]", seal=seal, source=source)
+        if seal["hosts"] != ranks:  # a campaign node's host is its node id
+            violation("hosts", number, f"round {number} hosts {seal['hosts']} do not match "
+                      f"its ranks {ranks}", seal=seal, source=source)
+        if ranks and seal["store"] not in endpoints_of.get(ranks[0], []):
+            violation("store_endpoint", number, f"round {number} store {seal['store']} is no "
+                      f"endpoint rank 0 ({ranks[0]}) ever advertised", seal=seal, source=source,
+                      advertised=endpoints_of.get(ranks[0], []))
+
+    for value in consul_values:
+        v = value.get("value") or {}
+        if v.get("closed"):
+            violation("run_closed", v.get("round"), f"the run was closed: {v['closed']}",
+                      value=value)
+        if v.get("ranks"):
+            check_seal(_seal_of(v), f"consul@{value.get('modify_index')}")
+
+    last_round: dict[int, int] = {}
+    in_round: dict[tuple[int, str], set[int]] = defaultdict(set)
+    for report in reports:
+        serial, node, number = report["serial"], report["node_id"], report["round"]
+        seal = _seal_of(report)
+        check_seal(seal, f"{node}/p{serial}")
+        ranks, rank = seal["ranks"], report.get("rank")
+        if node not in ranks:
+            violation("not_a_participant", number, f"{node}/p{serial} got round {number} "
+                      f"that does not list it: {ranks}", report=report)
+        elif report.get("world_size") != len(ranks) or rank != ranks.index(node):
+            violation("ranks", number, f"{node}/p{serial} got rank {rank} of "
+                      f"{report.get('world_size')} in round {number}; participants {ranks}",
+                      report=report)
+        if ranks and ranks[0] == node and seal["store"] != endpoints.get(serial):
+            violation("store_endpoint", number, f"{node}/p{serial} is rank 0 of round {number} "
+                      f"but the store is {seal['store']}, not its endpoint "
+                      f"{endpoints.get(serial)}", report=report)
+        previous = last_round.get(serial)
+        if previous is not None and number <= previous:
+            violation("round_not_increasing", number, f"{node}/p{serial} returned round "
+                      f"{number} after round {previous}", report=report)
+        last_round[serial] = number
+        in_round[(number, node)].add(serial)
+
+    for (number, node), serials in sorted(in_round.items()):
+        if len(serials) > 1:
+            violation("node_twice_in_round", number, f"processes {sorted(serials)} of node id "
+                      f"{node} were all in round {number}", serials=sorted(serials))
+
+    for number, seen in sorted(contents.items()):
+        if len(seen) > 1:
+            seal_ids = {json.loads(k)["seal_id"] for k in seen}
+            kind = "sealed_twice" if len(seal_ids) > 1 else "disagreement"
+            violation(kind, number, f"round {number} has {len(seen)} different contents "
+                      f"({len(seal_ids)} seal ids)",
+                      contents={k: sorted(set(v))[:12] for k, v in seen.items()})
+
+    highest = 0
+    for value in consul_values:
+        number = (value.get("value") or {}).get("round") or 0
+        if (value.get("value") or {}).get("ranks"):
+            if number < highest:
+                violation("round_went_back", number, f"P/round/current went from round "
+                          f"{highest} back to {number}", value=value)
+            highest = max(highest, number)
+    return violations
+
+
+def check_missed_rounds(consul_values: list[dict],
+                        member_history: dict[str, list[tuple[float, int | None, str | None]]],
+                        serial_of: dict[str, int], reports: list[dict],
+                        unavailable: dict[int, list[tuple[float, float]]], *,
+                        until: float, margin: float = 20.0) -> list[dict]:
+    """Liveness: a node process that did not return a sealed round meant for it.
+
+    A round is meant for a process when it lists its node and its ``members_index`` covers the
+    process's current member write (the acceptance rule of docs/protocol.md). Flagged when the
+    process reported neither that round nor a later one within ``margin`` seconds of the round
+    becoming readable (the watcher saw it), although for that whole window it ran, was not
+    frozen, its client agent was up (``unavailable``: intervals per process serial when it was
+    not), and its member key stayed unchanged (a node whose session was lost announces again and
+    waits for another round). ``consul_values``: the watcher's values of ``P/round/current``;
+    ``member_history``: each member key's (wall time seen, ModifyIndex or None when deleted,
+    incarnation); ``serial_of``: incarnation id -> process serial; ``reports``: the round events
+    (``serial``, ``round``, ``recv``); ``until``: the end of the records.
+    """
+    reported: dict[int, list[tuple[float, int]]] = defaultdict(list)
+    for r in reports:
+        reported[r["serial"]].append((r["recv"], r["round"]))
+    violations = []
+    for value in consul_values:
+        v = value.get("value") or {}
+        ranks = v.get("ranks") or []
+        opened, closes = value["recv"], value["recv"] + margin
+        if closes > until:
+            continue
+        for node in ranks:
+            history = member_history.get(node, [])
+            at = bisect.bisect_right([h[0] for h in history], opened) - 1
+            if at < 0:
+                continue
+            _, write, incarnation = history[at]
+            serial = serial_of.get(str(incarnation))
+            if write is None or serial is None or (v.get("members_index") or 0) < write:
+                continue
+            if at + 1 < len(history) and history[at + 1][0] < closes:
+                continue  # the key changed: the node announced again
+            if any(a < closes and b > opened for a, b in unavailable.get(serial, [])):
+                continue
+            if any(t <= closes and number >= v.get("round", 0)
+                   for t, number in reported[serial]):
+                continue
+            violations.append({
+                "kind": "own_round_missed", "round": v.get("round"),
+                "detail": f"{node}/p{serial} did not return round {v.get('round')} (sealed "
+                          f"{v.get('sealed_at', 0):.3f} by {v.get('coordinator')}, readable "
+                          f"from {opened:.3f}, members_index {v.get('members_index')}) within "
+                          f"{margin:g}s, although the round covers its member write {write} "
+                          "and it ran, unfrozen, its agent up, its key unchanged",
+                "evidence": {"seal": v, "serial": serial, "write": write,
+                             "reports_after": [x for x in reported[serial] if x[0] >= opened][:3]}})
+    return violations
+
+
+# ----------------------------------------------------------------------------------- the run
+
+
+@dataclass
+class CampaignConfig:
+    """Everything a campaign run depends on (see ``python -m bench.campaign --help``)."""
+
+    seed: int
+    rounds: int
+    nodes: int = 6
+    min_nodes: int = 2
+    max_nodes: int | None = None  # default nodes - 1: one spare waits beside a full round
+    clients: int = 3
+    heartbeat: float = 2.0
+    last_call: float = 0.3
+    join_timeout: float = 30.0
+    consul_timeout: float = 10.0
+    train: tuple[float, float] = (0.3, 2.0)
+    gap: tuple[float, float] = (2.0, 7.0)
+    kinds: dict[str, float] = field(default_factory=lambda: dict(KINDS))
+    max_seconds: float = 3600.0
+    stall_timeout: float = 120.0
+    converge_timeout: float = 120.0
+    progress_every: float = 30.0
+    node_log_level: str = "DEBUG"
+
+    def __post_init__(self) -> None:
+        if self.max_nodes is None:
+            self.max_nodes = max(self.min_nodes, self.nodes - 1)
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(f"bad min/max nodes: {self.min_nodes}/{self.max_nodes}")
+
+
+@dataclass
+class NodeProc:
+    """One node process of the campaign (a serial per process, several per slot over time)."""
+
+    serial: int
+    slot: int
+    node_id: str
+    agent: ClusterMember
+    popen: subprocess.Popen
+    log_path: Path
+    started: float
+    endpoint: dict
+    state: str = "starting"  # starting, joining (in next_round), training
+    join_t: float = 0.0
+    frozen: bool = False
+    killed: bool = False  # by the campaign
+    replaced_by: int | None = None
+    thawed: float | None = None
+    exit_code: int | None = None
+    exited: float | None = None
+    last_error: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.node_id}/p{self.serial}"
+
+    @property
+    def running(self) -> bool:
+        return self.popen.poll() is None
+
+
+@dataclass
+class Affected:
+    """A node a fault took out: back when absent from a round, or in one that a process of it
+    with at least ``serial`` joined (None: only its absence counts)."""
+
+    node_id: str
+    serial: int | None = None
+
+
+@dataclass
+class Fault:
+    """One injected fault: its spec, when, on what, and the nodes it took out."""
+
+    spec: FaultSpec
+    applied: float  # wall clock
+    target: str
+    detail: dict = field(default_factory=dict)
+    affected: list[Affected] = field(default_factory=list)
+    ended: float | None = None  # thaw, restart, replacement started
+
+
+class Campaign:
+    """One campaign on a started cluster: node processes, watcher, injector, records."""
+
+    def __init__(self, cfg: CampaignConfig, cluster: ConsulCluster, log_dir: Path,
+                 *, out: TextIO = sys.stderr) -> None:
+        self.cfg = cfg
+        self.cluster = cluster
+        self.log_dir = log_dir
+        self.out = out
+        (log_dir / "nodes").mkdir(parents=True, exist_ok=True)
+        self.run_id = "campaign"
+        self.prefix = f"campaign-{cfg.seed}-{uuid.uuid4().hex[:6]}"
+        self.keys = Keys(f"{self.prefix}/{self.run_id}")
+        self.lock = threading.RLock()
+        self.procs: dict[int, NodeProc] = {}
+        self.slots: list[int | None] = [None] * cfg.nodes
+        self._serials = itertools.count(1)
+        self._new_ids: Counter[int] = Counter()
+        self.reports: list[dict] = []
+        self.errors: list[dict] = []
+        self.consul_values: list[dict] = []
+        #: node id -> [(wall time seen, ModifyIndex or None when deleted, incarnation)]
+        self.member_history: dict[str, list[tuple[float, int | None, str | None]]] = (
+            defaultdict(list))
+        self.incarnations: dict[str, int] = {}  # incarnation id -> process serial
+        self.seals: dict[str, dict] = {}
+        self.last_seal_seen = time.monotonic()
+        self.faults: list[Fault] = []
+        self.skipped: list[dict] = []
+        self.downtime: list[dict] = []
+        self.exits: list[dict] = []
+        self.replaced_exits: list[dict] = []
+        self.anomalies: list[dict] = []
+        self.watch_failures = 0
+        self.liveness: list[dict] = []
+        self.injecting = False
+        self.consumed_specs: list[FaultSpec] = []  # injected or skipped, in schedule order
+        self.schedule_shift = 0.0
+        self.loads: list[float] = []  # 1-minute load average, every 5 s
+        self._starting: list[threading.Thread] = []
+        self._actions: list[tuple[float, int, str, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._flush = False
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._events = open(log_dir / "events.jsonl", "a")  # noqa: SIM115 - closed in close()
+
+    # ------------------------------------------------------------------ records
+
+    def log_event(self, event: dict) -> None:
+        with self.lock:
+            if not self._events.closed:  # a reader may still print after close()
+                self._events.write(json.dumps(event, sort_keys=True, default=str) + "\n")
+
+    def say(self, text: str) -> None:
+        print(f"[campaign {time.strftime('%H:%M:%S')}] {text}", file=self.out, flush=True)
+
+    def _add_seal(self, values: dict, source: str) -> None:
+        seal_id = values.get("seal_id")
+        if not seal_id or seal_id in self.seals:
+            return
+        timings = values.get("timings") or {}
+        self.seals[seal_id] = {
+            **_seal_of(values), "sealed_at": values.get("sealed_at", timings.get("sealed")),
+            "first_seen": time.time(), "source": source,
+        }
+        self.last_seal_seen = time.monotonic()
+
+    # ------------------------------------------------------------------ node processes
+
+    def start_node(self, slot: int, node_id: str, agent: ClusterMember) -> NodeProc:
+        serial = next(self._serials)
+        cfg = self.cfg
+        log_path = self.log_dir / "nodes" / f"{node_id}.p{serial}.log"
+        cmd = [sys.executable, "-m", "bench.campaign_node", "--run-id", self.run_id,
+               "--key-prefix", self.prefix, "--node-id", node_id, "--serial", str(serial),
+               "--min", str(cfg.min_nodes), "--max", str(cfg.max_nodes),
+               "--heartbeat", str(cfg.heartbeat), "--last-call", str(cfg.last_call),
+               "--join-timeout", str(cfg.join_timeout),
+               "--consul-timeout", str(cfg.consul_timeout),
+               "--train-min", str(cfg.train[0]), "--train-max", str(cfg.train[1]),
+               "--seed", str(cfg.seed * 100_000 + serial), "--log-level", cfg.node_log_level]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CONSUL_")}
+        env.update(agent.env())
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=log, text=True,
+                                     start_new_session=True)
+        proc = NodeProc(serial=serial, slot=slot, node_id=node_id, agent=agent, popen=popen,
+                        log_path=log_path, started=time.time(),
+                        endpoint=endpoint_for(node_id, serial))
+        with self.lock:
+            self.procs[serial] = proc
+            self.slots[slot] = serial
+        reader = threading.Thread(target=self._read, args=(proc,), daemon=True,
+                                  name=f"read-{proc.name}")
+        reader.start()
+        self.log_event({"event": "spawn", "t": proc.started, "serial": serial, "slot": slot,
+                        "node_id": node_id, "agent": agent.name, "pid": popen.pid})
+        return proc
+
+    def _read(self, proc: NodeProc) -> None:
+        for line in proc.popen.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = {"event": "garbage", "line": line[:500]}
+            event.update(serial=proc.serial, slot=proc.slot, recv=time.time())
+            with self.lock:
+                kind = event.get("event")
+                if kind == "start":
+                    self.incarnations[str(event.get("incarnation"))] = proc.serial
+                elif kind == "join":
+                    proc.state, proc.join_t = "joining", event.get("t", time.time())
+                elif kind == "round":
+                    proc.state = "training"
+                    self.reports.append(event)
+                    self._add_seal(event, proc.name)
+                elif kind == "error":
+                    proc.last_error = f"{event.get('type')}: {event.get('message', '')[:300]}"
+                    self.errors.append({**event, "join_t": proc.join_t,
+                                        "agent": proc.agent.name})
+            self.log_event(event)
+
+    def live(self) -> list[NodeProc]:
+        """The current process of each slot that runs, is not frozen and not killed."""
+        with self.lock:
+            procs = [self.procs[s] for s in self.slots if s is not None]
+        return [p for p in procs if p.running and not p.frozen and not p.killed]
+
+    @staticmethod
+    def _signal(proc: NodeProc, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.popen.pid, sig)
+
+    def kill_all(self) -> None:
+        """SIGKILL every node process (by its process group) and reap it."""
+        for proc in list(self.procs.values()):
+            self._signal(proc, signal.SIGCONT)
+            self._signal(proc, signal.SIGKILL)
+        for proc in list(self.procs.values()):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(10)
+
+    # ------------------------------------------------------------------ watcher
+
+    def _watch(self) -> None:
+        """Record every change under the run's prefix: each value of P/round/current, and each
+        member key's (ModifyIndex, incarnation). Consistent blocking reads; the next server when
+        one fails."""
+        servers = self.cluster.servers
+        clients = {s.name: ConsulClient(s.config(), retry_timeout=1.0) for s in servers}
+        turn, index, last_modify = 0, 0, None
+        members: dict[str, tuple[int, str]] = {}
+        try:
+            while not self._stop.is_set():
+                member = servers[turn % len(servers)]
+                if not member.reachable:
+                    turn, index = turn + 1, 0
+                    time.sleep(0.02)
+                    continue
+                try:
+                    res = clients[member.name].kv_list(
+                        self.keys.prefix + "/", index=index or None, wait=1.0, consistent=True,
+                        deadline=time.monotonic())
+                except ConsulError:
+                    self.watch_failures += 1
+                    turn, index = turn + 1, 0
+                    time.sleep(0.05)
+                    continue
+                index = 0 if res.index < index else res.index
+                now = time.time()
+                seen: dict[str, tuple[int, str]] = {}
+                round_entry = None
+                for entry in res.data:
+                    if entry.key == self.keys.round:
+                        round_entry = entry
+                    elif entry.key.startswith(self.keys.members):
+                        try:
+                            incarnation = str(json.loads(entry.value or b"{}")["incarnation"])
+                        except (ValueError, KeyError, TypeError):
+                            incarnation = "?"
+                        seen[entry.key[len(self.keys.members):]] = (entry.modify_index,
+                                                                    incarnation)
+                changes = []
+                with self.lock:
+                    for node in set(members) | set(seen):
+                        if members.get(node) != seen.get(node):
+                            value = seen.get(node)
+                            change = (now, None if value is None else value[0],
+                                      None if value is None else value[1])
+                            self.member_history[node].append(change)
+                            changes.append({"event": "member", "recv": now, "node_id": node,
+                                            "modify_index": change[1],
+                                            "incarnation": change[2]})
+                    members = seen
+                for change in changes:
+                    self.log_event(change)
+                if round_entry is None or round_entry.modify_index == last_modify:
+                    continue
+                last_modify = round_entry.modify_index
+                try:
+                    value = json.loads(round_entry.value or b"null")
+                except ValueError:
+                    value = {"undecodable": (round_entry.value or b"")[:300].decode(
+                        errors="replace")}
+                record = {"event": "consul", "recv": now,
+                          "modify_index": round_entry.modify_index, "server": member.name,
+                          "value": value}
+                with self.lock:
+                    self.consul_values.append(record)
+                    if isinstance(value, dict) and value.get("ranks"):
+                        self._add_seal(value, f"consul@{round_entry.modify_index}")
+                self.log_event(record)
+        finally:
+            for client in clients.values():
+                client.close()
+
+    # ------------------------------------------------------------------ actions
+
+    def after(self, delay: float, label: str, action: Callable[[], None]) -> None:
+        with self.lock:
+            heapq.heappush(self._actions, (time.monotonic() + delay, next(self._seq), label,
+                                           action))
+
+    def _run_due_actions(self) -> None:
+        while True:
+            with self.lock:
+                if not self._actions or (not self._flush
+                                         and self._actions[0][0] > time.monotonic()):
+                    return
+                _, _, label, action = heapq.heappop(self._actions)
+            try:
+                action()
+            except Exception as exc:  # an action must never stop the injector
+                self.anomalies.append({"t": time.time(), "what": f"action {label} failed",
+                                       "error": repr(exc)})
+                self.say(f"action {label} failed: {exc!r}")
+
+    def pending_actions(self) -> int:
+        with self.lock:
+            return len(self._actions)
+
+    def _restart_node(self, slot: int, node_id: str, agent: ClusterMember,
+                      fault: Fault | None) -> None:
+        proc = self.start_node(slot, node_id, agent)
+        if fault is not None:
+            fault.ended = proc.started
+            for affected in fault.affected:
+                if affected.node_id == node_id:
+                    affected.serial = proc.serial
+
+    def _start_member_soon(self, member: ClusterMember, fault: Fault | None) -> None:
+        """Start ``member`` on a thread of its own: on a loaded machine an agent can take tens
+        of seconds to answer, and the injector must not wait (thaws stay on time)."""
+        thread = threading.Thread(target=self._start_member, args=(member, fault),
+                                  name=f"start-{member.name}", daemon=True)
+        self._starting = [t for t in self._starting if t.is_alive()] + [thread]
+        thread.start()
+
+    def _start_member(self, member: ClusterMember, fault: Fault | None,
+                      attempt: int = 1) -> None:
+        try:
+            member.start(30.0)
+        except Exception as exc:
+            self.anomalies.append({"t": time.time(), "what": f"{member.name} did not start "
+                                   f"(attempt {attempt})", "error": repr(exc)[:500]})
+            if attempt < 5:
+                time.sleep(2.0)
+                self._start_member(member, fault, attempt + 1)
+            return
+        now = time.time()
+        for down in self.downtime:
+            if down["member"] == member.name and down["up"] is None:
+                down["up"] = now
+        if fault is not None:
+            fault.ended = now
+        self.log_event({"event": "member_up", "t": now, "member": member.name})
+
+    def _member_down(self, member: ClusterMember, how: str) -> None:
+        now = time.time()
+        self.downtime.append({"member": member.name, "server": member.is_server, "how": how,
+                              "down": now, "up": None})
+
+    def _supervise(self) -> None:
+        """Note processes that exited; restart a slot whose process exited by itself."""
+        for proc in list(self.procs.values()):
+            if proc.exit_code is not None or proc.running:
+                continue
+            proc.exit_code, proc.exited = proc.popen.returncode, time.time()
+            if proc.killed:
+                continue
+            if proc.replaced_by is None and proc.exit_code == EXIT_REPLACED:
+                # A process of this node id with a newer incarnation took over (one that was
+                # started earlier but frozen before it created its incarnation): it runs on.
+                newer = [p for p in self.procs.values() if p.node_id == proc.node_id
+                         and p.running and not p.killed and p is not proc]
+                if newer and self.slots[proc.slot] == proc.serial:
+                    self.slots[proc.slot] = newer[-1].serial
+                    newer[-1].replaced_by = None
+                    proc.replaced_by = newer[-1].serial
+            if proc.replaced_by is not None:
+                self.replaced_exits.append({
+                    "serial": proc.serial, "node_id": proc.node_id, "code": proc.exit_code,
+                    "as_replaced": proc.exit_code == EXIT_REPLACED,
+                    "after_thaw": None if proc.thawed is None else proc.exited - proc.thawed,
+                    "last_error": proc.last_error})
+                continue
+            self.exits.append({"t": proc.exited, "serial": proc.serial, "node_id": proc.node_id,
+                               "code": proc.exit_code, "last_error": proc.last_error,
+                               "log_tail": _tail(proc.log_path, 1500)})
+            self.say(f"{proc.name} exited by itself ({proc.exit_code}): {proc.last_error}")
+            if self.slots[proc.slot] == proc.serial:
+                self.after(1.0, f"restart {proc.node_id}",
+                           lambda p=proc: self._restart_node(p.slot, p.node_id, p.agent, None))
+
+    # ------------------------------------------------------------------ faults
+
+    def _leader_node(self) -> str | None:
+        """The node id in P/round/leader (if a session holds it), read from a server."""
+        for server in self.cluster.servers:
+            if not server.reachable:
+                continue
+            try:
+                status, body = server.api("GET", f"/v1/kv/{self.keys.leader}", timeout=2.0)
+            except OSError:
+                continue
+            if status == 404:
+                return None
+            if status == 200 and body and body[0].get("Session"):
+                with contextlib.suppress(ValueError, TypeError):
+                    return json.loads(base64.b64decode(body[0]["Value"]))["node"]
+                return None
+        return None
+
+    def _await_seal(self, timeout: float) -> bool:
+        """Wait (polling every 2 ms) until a seal is imminent: every live participant of the
+        last round has just asked for the next one (the last within 50 ms)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                latest = max(self.seals.values(), key=lambda s: s["round"], default=None)
+                live = {p.node_id: p for p in self.live()}
+                parts = [live[n] for n in (latest or {}).get("ranks", []) if n in live]
+                if latest and parts and all(
+                        p.state == "joining" and p.join_t > latest["first_seen"] for p in parts
+                ) and time.time() - max(p.join_t for p in parts) < 0.05:
+                    return True
+            self._run_due_actions()  # thaws and restarts stay on time meanwhile
+            time.sleep(0.002)
+        return False
+
+    def apply(self, spec: FaultSpec) -> str | None:
+        """Inject ``spec`` now; None if done, else why it cannot be injected yet."""
+        kind = spec.kind
+        if kind in ("worker_kill_training", "worker_kill_joining"):
+            want = "training" if kind == "worker_kill_training" else "joining"
+            candidates = [p for p in self.live() if p.state == want]
+            if not candidates:
+                return f"no node is {want}"
+            target = _pick(candidates, spec.pick)
+            return self._kill_node(spec, target, {"state": target.state})
+        if kind == "coordinator_kill":
+            node = self._leader_node()
+            if node is None:
+                return "no session holds the leader key"
+            with self.lock:
+                holders = [p for p in self.procs.values()
+                           if p.node_id == node and p.running and not p.killed]
+            if not holders:
+                return f"no running process of coordinator {node}"
+            target = holders[-1]  # the newest process of that node id
+            return self._kill_node(spec, target, {"state": target.state,
+                                                  "frozen": target.frozen})
+        if kind in ("worker_freeze_short", "worker_freeze_long"):
+            candidates = self.live()
+            if not candidates:
+                return "no live node"
+            target = _pick(candidates, spec.pick)
+            fault = Fault(spec, time.time(), target.name, {"state": target.state},
+                          [Affected(target.node_id, target.serial)])
+            self._signal(target, signal.SIGSTOP)
+            target.frozen = True
+            self.faults.append(fault)
+            self.after(spec.duration, f"thaw {target.name}", lambda: self._thaw(target, fault))
+            return None
+        if kind == "worker_replace":
+            # Not a process that has not created its incarnation yet: frozen before that, it
+            # would be the newer incarnation when thawed, and take the node id back.
+            candidates = [p for p in self.live() if p.state != "starting"]
+            if not candidates:
+                return "no live node"
+            target = _pick(candidates, spec.pick)
+            self._signal(target, signal.SIGSTOP)
+            target.frozen = True
+            fault = Fault(spec, time.time(), target.name, {"state": target.state},
+                          [Affected(target.node_id)])
+            self.faults.append(fault)
+            agent = _pick(self.cluster.clients, spec.agent_pick)
+            self._restart_node(target.slot, target.node_id, agent, fault)
+            target.replaced_by = fault.affected[0].serial
+            fault.detail.update(replacement=f"p{target.replaced_by}", agent=agent.name,
+                                old_agent=target.agent.name)
+            self.after(spec.duration, f"thaw {target.name}", lambda: self._thaw(target, None))
+            self.after(spec.duration + REPLACED_EXIT_WITHIN, f"check {target.name} stopped",
+                       lambda: self._check_replaced(target))
+            return None
+        if (kind in SERVER_KINDS or kind == "client_agent_kill") and any(
+                t.is_alive() for t in self._starting):
+            return "an agent is still starting"
+        if kind in SERVER_KINDS:
+            if any(not s.running for s in self.cluster.servers):
+                return "a server is still down"
+            if kind == "leader_kill_at_seal":
+                target = self.cluster.leader()
+                if target is None:
+                    return "no leader"
+                if not self._await_seal(3.0):
+                    return "no seal was imminent"
+                time.sleep(spec.pick * 0.06)
+                target.kill()
+                return self._member_fault(spec, target, "kill", [])
+            if kind == "leader_server_kill":
+                target = self.cluster.leader()
+                if target is None:
+                    return "no leader"
+                target.kill()
+            else:
+                target = _pick(self.cluster.servers, spec.pick)
+                target.stop()
+            return self._member_fault(spec, target, "kill" if kind == "leader_server_kill"
+                                      else "stop", [])
+        if kind == "client_agent_kill":
+            if any(not c.running for c in self.cluster.clients):
+                return "a client agent is still down"
+            target = _pick(self.cluster.clients, spec.pick)
+            with self.lock:
+                on_it = [p for p in self.procs.values()
+                         if p.agent is target and p.running and not p.killed]
+            target.kill()
+            return self._member_fault(spec, target, "kill",
+                                      [Affected(p.node_id, p.serial) for p in on_it])
+        raise ValueError(f"unknown fault kind {kind!r}")
+
+    def _member_fault(self, spec: FaultSpec, member: ClusterMember, how: str,
+                      affected: list[Affected]) -> None:
+        self._member_down(member, how)
+        fault = Fault(spec, time.time(), member.name, {"how": how}, affected)
+        self.faults.append(fault)
+        self.after(spec.duration, f"start {member.name}",
+                   lambda: self._start_member_soon(member, fault))
+        return None
+
+    def _kill_node(self, spec: FaultSpec, target: NodeProc, detail: dict) -> None:
+        self._signal(target, signal.SIGKILL)
+        target.killed = True
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            target.popen.wait(5)
+        fault = Fault(spec, time.time(), target.name, detail, [Affected(target.node_id)])
+        self.faults.append(fault)
+        if self.slots[target.slot] == target.serial:
+            if spec.same_id:
+                node_id = target.node_id
+            else:
+                self._new_ids[target.slot] += 1
+                node_id = f"n{target.slot}-{self._new_ids[target.slot]}"
+            agent = _pick(self.cluster.clients, spec.agent_pick)
+            fault.detail.update(replacement_id=node_id, agent=agent.name)
+            self.after(spec.duration, f"restart {node_id}",
+                       lambda: self._restart_node(target.slot, node_id, agent, fault))
+        return None
+
+    def _thaw(self, proc: NodeProc, fault: Fault | None) -> None:
+        self._signal(proc, signal.SIGCONT)
+        proc.frozen = False
+        proc.thawed = time.time()
+        if fault is not None:
+            fault.ended = proc.thawed
+
+    def _check_replaced(self, proc: NodeProc) -> None:
+        due = (proc.thawed or time.time()) + REPLACED_EXIT_WITHIN
+        while proc.running and time.time() < due:  # early only when flushed at the end
+            time.sleep(0.05)
+        if proc.running and not proc.killed and proc.replaced_by is not None:
+            self.anomalies.append({"t": time.time(), "what": f"replaced process {proc.name} "
+                                   f"still runs {REPLACED_EXIT_WITHIN:g}s after its thaw",
+                                   "last_error": proc.last_error,
+                                   "log_tail": _tail(proc.log_path, 1500)})
+            self._signal(proc, signal.SIGKILL)
+            proc.killed = True
+
+    # ------------------------------------------------------------------ driving
+
+    def _drive(self, schedule: Iterator[FaultSpec], start: float) -> None:
+        """Inject the schedule's faults at their times, run the due actions, watch the node
+        processes. A fault whose target cannot be found is tried again every 0.25 s until
+        ``DEFER_MAX`` s after its time or the next fault's time, whichever comes first; then it
+        is skipped (so a skipped fault never delays the next ones)."""
+        spec, following = next(schedule), next(schedule)
+        retry_at = 0.0
+        fresh = True  # spec not tried yet
+        while not self._stop.is_set():
+            self._run_due_actions()
+            self._supervise()
+            now = time.monotonic()
+            late = now - (start + spec.at)
+            if self.injecting and fresh and late > LATE_SHIFT:
+                # The injector was held up (a slow action on a loaded machine): shift the rest of
+                # the schedule rather than inject the faults it missed in a burst.
+                start += late
+                self.schedule_shift += late
+                late = 0.0
+            if self.injecting and late >= 0 and now >= retry_at:
+                fresh = False
+                why = self.apply(spec)
+                if why is None:
+                    fault = self.faults[-1]
+                    self.log_event({"event": "fault", "t": fault.applied,
+                                    **dataclasses.asdict(spec), "target": fault.target,
+                                    "detail": fault.detail})
+                elif now > start + min(spec.at + DEFER_MAX, following.at):
+                    self.skipped.append({**dataclasses.asdict(spec), "why": why})
+                    self.log_event({"event": "skipped", "t": time.time(),
+                                    **dataclasses.asdict(spec), "why": why})
+                else:
+                    retry_at = now + 0.25
+                    continue
+                self.consumed_specs.append(spec)
+                spec, following = following, next(schedule)
+                fresh = True
+            time.sleep(0.02)
+
+    def start(self) -> None:
+        clients = self.cluster.clients
+        for slot in range(self.cfg.nodes):
+            self.start_node(slot, f"n{slot}", clients[slot % len(clients)])
+        for target, name in ((self._watch, "watch"),):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def run(self) -> dict:
+        """Run until ``rounds`` rounds are sealed (or a stall, or ``max_seconds``); then stop
+        the faults, restore everything and wait for a full round. Returns the report."""
+        cfg = self.cfg
+        began = time.monotonic()
+        self.start()
+        self._wait(lambda: self.seals, 60.0, "the first round")
+        start = time.monotonic()
+        self.say(f"first round after {start - began:.1f}s; faults from now on")
+        schedule = fault_schedule(cfg.seed, gap=cfg.gap, heartbeat=cfg.heartbeat,
+                                  kinds=cfg.kinds)
+        self.injecting = True
+        driver = threading.Thread(target=self._drive, args=(schedule, start), name="drive",
+                                  daemon=True)
+        driver.start()
+        self._threads.append(driver)
+        stop_reason = "rounds"
+        next_progress = time.monotonic() + cfg.progress_every
+        next_load = time.monotonic()
+        while len(self.seals) < cfg.rounds:
+            time.sleep(0.1)
+            if time.monotonic() >= next_load:
+                next_load += 5.0
+                with contextlib.suppress(OSError, ValueError):
+                    self.loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
+            if time.monotonic() - self.last_seal_seen > cfg.stall_timeout:
+                stop_reason = "stall"
+                self.liveness.append({
+                    "kind": "stall", "round": None,
+                    "detail": f"no round sealed for {cfg.stall_timeout:g}s",
+                    "evidence": {"cluster": self.cluster.describe(), "nodes": self._states()}})
+                break
+            if time.monotonic() - start > cfg.max_seconds:
+                stop_reason = "max_seconds"
+                break
+            if time.monotonic() >= next_progress:
+                next_progress += cfg.progress_every
+                self.say(self._progress())
+        fault_phase = time.monotonic() - start
+        self.say(f"stopping faults ({stop_reason}): {self._progress()}")
+        self.injecting = False
+        self._flush = True  # thaw and restart everything now
+        self._wait(lambda: self.pending_actions() == 0, 120.0, "pending restarts")
+        self._flush = False
+        for thread in list(self._starting):
+            thread.join(180.0)
+        restored = time.time()
+        try:
+            self.cluster.restore(60.0)
+        except TimeoutError as exc:
+            self.anomalies.append({"t": time.time(), "what": "cluster restore failed",
+                                   "error": str(exc)[:2000]})
+        converged = self._converge(restored) if stop_reason != "stall" else None
+        if converged is None and stop_reason != "stall":
+            self.liveness.append({
+                "kind": "no_convergence", "round": None,
+                "detail": f"no full round of the live nodes within {cfg.converge_timeout:g}s "
+                          "of the end of the faults",
+                "evidence": {"cluster": self.cluster.describe(), "nodes": self._states()}})
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(15)
+        return self.report(stop_reason, fault_phase, time.monotonic() - began, converged,
+                           restored)
+
+    def _converge(self, since: float) -> dict | None:
+        """Wait for a round sealed after ``since`` with every live node (as many as fit) that
+        all its participants reported."""
+        deadline = time.monotonic() + self.cfg.converge_timeout
+        while time.monotonic() < deadline:
+            self._run_due_actions()
+            self._supervise()
+            live = {p.node_id for p in self.live()}
+            want = min(len(live), self.cfg.max_nodes)
+            with self.lock:
+                reported = defaultdict(set)
+                for r in self.reports:
+                    reported[r["seal_id"]].add(r["node_id"])
+                for seal in self.seals.values():
+                    if ((seal["sealed_at"] or 0) > since and len(seal["ranks"]) == want
+                            and set(seal["ranks"]) <= live
+                            and reported[seal["seal_id"]] >= set(seal["ranks"])):
+                        return {"round": seal["round"], "world_size": want,
+                                "seconds": seal["sealed_at"] - since}
+            time.sleep(0.1)
+        return None
+
+    def _wait(self, predicate: Callable[[], object], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"campaign: no {what} within {timeout:g}s\n"
+                                   + self.cluster.describe())
+            time.sleep(0.05)
+
+    def _states(self) -> list[str]:
+        with self.lock:
+            return [f"{p.name} on {p.agent.name}: {p.state}"
+                    + (" frozen" if p.frozen else "") + (" killed" if p.killed else "")
+                    + ("" if p.running else f" exited {p.popen.returncode}")
+                    + (f" last error {p.last_error[:120]}" if p.last_error else "")
+                    for p in self.procs.values() if p.running or p.exit_code is None]
+
+    def _progress(self) -> str:
+        kinds = Counter(f.spec.kind for f in self.faults)
+        load = _loadavg()
+        return (f"{len(self.seals)} rounds, {len(self.faults)} faults "
+                f"({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}), "
+                f"{len(self.errors)} node errors, load {load}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self.kill_all()
+        with self.lock:
+            self._events.close()
+
+    # ------------------------------------------------------------------ figures
+
+    def report(self, stop_reason: str, fault_phase: float, duration: float,
+               converged: dict | None, restored: float) -> dict:
+        cfg = self.cfg
+        with self.lock:
+            reports = sorted(self.reports, key=lambda r: (r["serial"], r["recv"]))
+            endpoints = {p.serial: p.endpoint for p in self.procs.values()}
+            node_of = {p.serial: p.node_id for p in self.procs.values()}
+            violations = check_invariants(reports, list(self.consul_values), endpoints,
+                                          node_of, min_nodes=cfg.min_nodes,
+                                          max_nodes=cfg.max_nodes)
+            missed = check_missed_rounds(
+                list(self.consul_values), dict(self.member_history), dict(self.incarnations),
+                reports, self._unavailable(), until=time.time())
+            violations += missed
+            violations += self.liveness
+            seals = sorted(self.seals.values(), key=lambda s: s["sealed_at"] or 0)
+        reported: dict[str, list[dict]] = defaultdict(list)
+        for r in reports:
+            reported[r["seal_id"]].append(r)
+        complete = sum(1 for s in seals
+                       if {r["node_id"] for r in reported[s["seal_id"]]} >= set(s["ranks"]))
+        intervals = [b["sealed_at"] - a["sealed_at"] for a, b in itertools.pairwise(seals)
+                     if a["sealed_at"] and b["sealed_at"]]
+        joins = [r["timings"]["released"] - r["timings"]["join_started"] for r in reports
+                 if "released" in r.get("timings", {})]
+        recovery, per_fault = self._recovery(seals, reported)
+        return {
+            "seed": cfg.seed,
+            "config": {**dataclasses.asdict(cfg), "kinds": cfg.kinds},
+            "stop_reason": stop_reason,
+            "duration_s": round(duration, 1),
+            "fault_phase_s": round(fault_phase, 1),
+            "machine": _machine(),
+            "load_1min": _stats(self.loads),
+            "schedule_shift_s": round(self.schedule_shift, 1),
+            "rounds": {
+                "sealed": len(seals),
+                "reported_by_every_participant": complete,
+                "highest_round_number": max((s["round"] for s in seals), default=0),
+                "world_sizes": dict(sorted(Counter(len(s["ranks"]) for s in seals).items())),
+                "reports": len(reports),
+                "seal_interval_s": _stats(intervals),
+                "join_s": _stats(joins),
+                "consul_values_seen": len(self.consul_values),
+                "watch_failures": self.watch_failures,
+            },
+            "faults": {
+                "injected": len(self.faults),
+                "by_kind": dict(sorted(Counter(f.spec.kind for f in self.faults).items())),
+                "skipped_by_kind": dict(sorted(Counter(s["kind"] for s in self.skipped).items())),
+                "skipped": self.skipped,
+                "schedule_consumed": len(self.consumed_specs),
+                "schedule_digest": schedule_digest(self.consumed_specs),
+                "list": per_fault,
+            },
+            "recovery_s": recovery,
+            "violations": {
+                "count": len(violations),
+                "by_kind": dict(sorted(Counter(v["kind"] for v in violations).items())),
+                "list": violations[:200],
+            },
+            "errors": self._errors_summary(missed),
+            "unexpected_exits": self.exits,
+            "replaced_processes": {
+                "stopped": len(self.replaced_exits),
+                "exit_codes": dict(Counter(str(e["code"]) for e in self.replaced_exits)),
+                "after_thaw_s": _stats([e["after_thaw"] for e in self.replaced_exits
+                                        if e["after_thaw"] is not None]),
+            },
+            "anomalies": self.anomalies,
+            "converged": converged,
+            "downtime": self.downtime,
+            "processes": len(self.procs),
+        }
+
+    def _recovery(self, seals: list[dict], reported: dict[str, list[dict]]
+                  ) -> tuple[dict, list[dict]]:
+        """Seconds from each fault to the next round sealed without an affected node or joined
+        by its live process; p50/p99/max per kind."""
+        per_kind: dict[str, list[float]] = defaultdict(list)
+        unrecovered: Counter[str] = Counter()
+        rows = []
+        for fault in self.faults:
+            seconds = None
+            for seal in seals:
+                if not seal["sealed_at"] or seal["sealed_at"] <= fault.applied:
+                    continue
+                if all(_back(a, seal, reported[seal["seal_id"]]) for a in fault.affected):
+                    seconds = seal["sealed_at"] - fault.applied
+                    break
+            if seconds is None:
+                unrecovered[fault.spec.kind] += 1
+            else:
+                per_kind[fault.spec.kind].append(seconds)
+            rows.append({"index": fault.spec.index, "kind": fault.spec.kind,
+                         "planned_at": fault.spec.at, "applied": fault.applied,
+                         "target": fault.target, "duration": fault.spec.duration,
+                         "detail": fault.detail,
+                         "affected": [dataclasses.asdict(a) for a in fault.affected],
+                         "recovery_s": None if seconds is None else round(seconds, 3)})
+        table = {}
+        for kind in sorted(set(per_kind) | set(unrecovered)):
+            table[kind] = {**_stats(per_kind[kind]), "unrecovered": unrecovered[kind]}
+        everything = [s for v in per_kind.values() for s in v]
+        table["all"] = {**_stats(everything), "unrecovered": sum(unrecovered.values())}
+        return table, rows
+
+    def _unavailable(self) -> dict[int, list[tuple[float, float]]]:
+        """Per process serial, when it could not act: not started or gone, frozen, its agent
+        down."""
+        never = float("inf")
+        spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        for proc in self.procs.values():
+            spans[proc.serial].append((0.0, proc.started))
+            if proc.killed or proc.exit_code is not None or not proc.running:
+                spans[proc.serial].append((proc.exited or proc.started, never))
+            for down in self.downtime:
+                if down["member"] == proc.agent.name:
+                    spans[proc.serial].append((down["down"], down["up"] or never))
+        for fault in self.faults:
+            if fault.spec.kind.startswith(("worker_freeze", "worker_replace")):
+                serial = int(fault.target.rsplit("/p", 1)[1])
+                thawed = self.procs[serial].thawed  # (a replacement's start is fault.ended)
+                spans[serial].append((fault.applied, thawed or never))
+            if fault.spec.kind in NODE_KILL_KINDS:
+                serial = int(fault.target.rsplit("/p", 1)[1])
+                spans[serial].append((fault.applied, never))
+        return spans
+
+    def _errors_summary(self, missed: list[dict]) -> dict:
+        """Errors by type: count, an example, and their circumstances (:meth:`_why`)."""
+        flagged = {v["evidence"]["serial"] for v in missed}
+        by_type: dict[str, dict] = {}
+        for error in self.errors:
+            entry = by_type.setdefault(error["type"], {"count": 0, "why": Counter(),
+                                                       "typed": error.get("typed", True),
+                                                       "example": error.get("message", "")[:600]})
+            entry["count"] += 1
+            if error["serial"] in flagged and "Timeout" in error["type"]:
+                why = "VIOLATION own_round_missed: it did not return a round meant for it"
+            else:
+                why = self._why(error)
+            entry["why"][why] += 1
+        for entry in by_type.values():
+            entry["why"] = dict(entry["why"].most_common())
+        return by_type
+
+    def _why(self, error: dict) -> str:
+        """The circumstances of a node's error, from the fault timeline."""
+        message = error.get("message", "")
+        start, end = error.get("join_t") or error["t"], error["t"]
+        if "replaced by a newer process" in message:
+            return "replaced by a newer process (worker_replace): the stop the protocol asks for"
+        if "serfHealth" in message:
+            return ("session refused: the servers saw its client agent failed (serfHealth "
+                    "critical), not retried")
+        overlapping = [d for d in self.downtime
+                       if d["down"] <= end and (d["up"] is None or d["up"] >= start)]
+        if any(d["member"] == error["agent"] for d in overlapping):
+            return "its client agent was down"
+        servers = [d for d in overlapping if d["server"]]
+        if _most_at_once(servers, start, end) >= 2:
+            return "two servers were down at once (quorum lost)"
+        frozen = [f for f in self.faults
+                  if f.target == f"{error['node_id']}/p{error['serial']}"
+                  and f.spec.kind.startswith(("worker_freeze", "worker_replace"))
+                  and f.applied <= end and (f.ended or end) >= start]
+        if frozen:
+            return "this node was frozen during the join"
+        if servers:
+            return "a server was down or restarting during the join"
+        latest = max((s for s in self.seals.values() if (s["sealed_at"] or 0) <= end),
+                     key=lambda s: s["round"], default=None)
+        if ("waits for room" in message and latest is not None
+                and error["node_id"] not in latest["ranks"]):
+            return "a spare: the round was full (max_nodes) and nobody left"
+        if "Timeout" in error["type"]:
+            return "join timeout, no fault of its agent or the servers during the join"
+        return "other"
+
+
+def _most_at_once(intervals: list[dict], start: float, end: float) -> int:
+    """The most of ``intervals`` (``down``/``up`` times; up None: still down) that overlap
+    at one instant of [start, end]."""
+    edges = []
+    for d in intervals:
+        edges += [(max(d["down"], start), 1), (min(d["up"] or end, end), -1)]
+    most = current = 0
+    for _, step in sorted(edges, key=lambda e: (e[0], -e[1])):
+        current += step
+        most = max(most, current)
+    return most
+
+
+def _back(affected: Affected, seal: dict, reports: list[dict]) -> bool:
+    if affected.node_id not in seal["ranks"]:
+        return True
+    if affected.serial is None:
+        return False
+    return any(r["node_id"] == affected.node_id and r["serial"] >= affected.serial
+               for r in reports)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (p99 of fewer than 100 values is the maximum)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    return {"n": len(values), "p50": round(_percentile(values, 0.5), 3),
+            "p99": round(_percentile(values, 0.99), 3), "max": round(max(values), 3),
+            "mean": round(statistics.fmean(values), 3)}
+
+
+def _tail(path: Path, chars: int) -> str:
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace")[-chars:]
+    return ""
+
+
+def _loadavg() -> str:
+    with contextlib.suppress(OSError):
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return "?"
+
+
+def _machine() -> dict:
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    commit = ""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    return {"cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
+            "python": platform.python_version(), "consul": CONSUL_VERSION,
+            "loadavg_end": _loadavg(), "commit": commit}
+
+
+# ----------------------------------------------------------------------------------- entry points
+
+
+def run_campaign(cfg: CampaignConfig, *, log_dir: Path | None = None,
+                 out: TextIO = sys.stderr) -> dict:
+    """Start a cluster, run one campaign, stop everything (by PID); the report.
+
+    Logs (node stderr, events.jsonl, the agents' logs) go to ``log_dir``; without one, to a
+    temporary directory that is removed unless there was a violation (``report["logs"]``).
+    """
+    keep = log_dir is not None
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="consul-rdzv-campaign-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cluster = ConsulCluster(servers=3, clients=cfg.clients)
+    campaign: Campaign | None = None
+    report: dict = {}
+    try:
+        cluster.start()
+        print(f"[campaign] cluster {cluster} up in {cluster.start_seconds:.1f}s; logs in "
+              f"{log_dir}", file=out, flush=True)
+        campaign = Campaign(cfg, cluster, log_dir, out=out)
+        report = campaign.run()
+        return report
+    finally:
+        if campaign is not None:
+            campaign.close()
+        violated = bool(report.get("violations", {}).get("count")) or not report
+        if keep or violated:
+            consul_logs = log_dir / "consul"
+            consul_logs.mkdir(exist_ok=True)
+            for member in cluster.members:
+                with contextlib.suppress(OSError):
+                    shutil.copy(member.log_path, consul_logs / f"{member.name}.log")
+        cluster.close()
+        if report:
+            report["logs"] = str(log_dir) if keep or violated else None
+        if not (keep or violated):
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def summary(report: dict) -> str:
+    """The report as Markdown tables (what docs/campaign.md records)."""
+    r, f, v = report["rounds"], report["faults"], report["violations"]
+    m = report["machine"]
+    lines = [
+        "| figure | value |", "|---|---|",
+        f"| seed | {report['seed']} (schedule: {f['schedule_consumed']} faults drawn, digest "
+        f"`{f['schedule_digest']}`) |",
+        f"| rounds sealed | {r['sealed']} (reported by every participant: "
+        f"{r['reported_by_every_participant']}; highest round number "
+        f"{r['highest_round_number']}) |",
+        f"| world sizes (W: rounds) | "
+        f"{', '.join(f'{w}: {n}' for w, n in r['world_sizes'].items())} |",
+        f"| faults injected | {f['injected']} (skipped: {sum(f['skipped_by_kind'].values())}) |",
+        f"| violations | {v['count']}"
+        + (f" ({', '.join(f'{k} {n}' for k, n in v['by_kind'].items())})" if v["count"] else "")
+        + " |",
+        f"| time between seals | p50 {r['seal_interval_s'].get('p50')} s, p99 "
+        f"{r['seal_interval_s'].get('p99')} s, max {r['seal_interval_s'].get('max')} s |",
+        f"| next_round() duration | p50 {r['join_s'].get('p50')} s, p99 "
+        f"{r['join_s'].get('p99')} s |",
+        f"| after the faults | {_converged(report['converged'])} |",
+        f"| duration | {report['duration_s']} s ({report['fault_phase_s']} s of faults; the "
+        f"injector was held up {report['schedule_shift_s']} s in all) |",
+        f"| load average (1 min, every 5 s) | p50 {report['load_1min'].get('p50')}, max "
+        f"{report['load_1min'].get('max')} |",
+        f"| machine | {m['cpus']} CPUs ({m['cpu']}), {m['platform']}, Python {m['python']}, "
+        f"Consul {m['consul']}, load at the end {m['loadavg_end']}, commit {m['commit']} |",
+        "",
+        "| fault kind | injected | skipped | recovery p50 (s) | p99 (s) | max (s) | unrecovered |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rec = report["recovery_s"]
+    for kind in [*KINDS, "all"]:
+        injected = f["injected"] if kind == "all" else f["by_kind"].get(kind, 0)
+        skipped = (sum(f["skipped_by_kind"].values()) if kind == "all"
+                   else f["skipped_by_kind"].get(kind, 0))
+        if not injected and not skipped:
+            continue
+        s = rec.get(kind, {"n": 0, "unrecovered": 0})
+        lines.append(f"| {kind} | {injected} | {skipped} | {s.get('p50', '-')} | "
+                     f"{s.get('p99', '-')} | {s.get('max', '-')} | {s.get('unrecovered', 0)} |")
+    lines += ["", "| error raised by nodes | count | circumstances |", "|---|---|---|"]
+    for kind, e in sorted(report["errors"].items(), key=lambda kv: -kv[1]["count"]):
+        why = "; ".join(f"{w}: {n}" for w, n in e["why"].items())
+        lines.append(f"| {kind}{'' if e['typed'] else ' (untyped!)'} | {e['count']} | {why} |")
+    if not report["errors"]:
+        lines.append("| none | 0 | |")
+    rp = report["replaced_processes"]
+    lines += ["", f"Replaced processes stopped: {rp['stopped']} (exit codes {rp['exit_codes']}, "
+              f"seconds after the thaw {rp['after_thaw_s']}); unexpected exits: "
+              f"{len(report['unexpected_exits'])}; anomalies: {len(report['anomalies'])}."]
+    for violation in v["list"][:20]:
+        lines.append(f"- VIOLATION {violation['kind']} (round {violation['round']}): "
+                     f"{violation['detail']}")
+    return "\n".join(lines)
+
+
+def check_events_file(path: Path, *, min_nodes: int, max_nodes: int) -> int:
+    """Check the round invariants (:func:`check_invariants`) of a recorded events.jsonl; print
+    the violations; 1 if any."""
+    reports, values, endpoints, node_of = [], [], {}, {}
+    with open(path) as events:
+        for line in events:
+            event = json.loads(line)
+            kind = event.get("event")
+            if kind == "round":
+                reports.append(event)
+            elif kind == "consul":
+                values.append(event)
+            elif kind == "start":
+                endpoints[event["serial"]] = event["endpoint"]
+                node_of[event["serial"]] = event["node_id"]
+    reports.sort(key=lambda r: (r["serial"], r["recv"]))
+    violations = check_invariants(reports, values, endpoints, node_of, min_nodes=min_nodes,
+                                  max_nodes=max_nodes)
+    rounds = {r["seal_id"] for r in reports} | {
+        v["value"].get("seal_id") for v in values if (v.get("value") or {}).get("ranks")}
+    print(f"{path}: {len(rounds)} sealed rounds, {len(reports)} reports, {len(values)} values "
+          f"of P/round/current, {len(violations)} violation(s)")
+    for violation in violations:
+        print(f"- {violation['kind']} (round {violation['round']}): {violation['detail']}")
+    return 1 if violations else 0
+
+
+def _converged(converged: dict | None) -> str:
+    if converged is None:
+        return "NO full round of the live nodes (liveness violation)"
+    return (f"a full round (round {converged['round']}, W={converged['world_size']}) "
+            f"{converged['seconds']:.2f} s after the cluster was restored")
+
+
+def _pair(text: str) -> tuple[float, float]:
+    lo, hi = (float(x) for x in text.split(","))
+    return lo, hi
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--rounds", type=int, default=500, help="stop after this many rounds")
+    parser.add_argument("--nodes", type=int, default=6)
+    parser.add_argument("--min-nodes", type=int, default=2)
+    parser.add_argument("--max-nodes", type=int, default=None,
+                        help="default: nodes - 1 (a spare waits beside a full round)")
+    parser.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat_timeout (s)")
+    parser.add_argument("--join-timeout", type=float, default=30.0)
+    parser.add_argument("--train", type=_pair, default=(0.3, 2.0), metavar="MIN,MAX",
+                        help="training time between rounds (s), ended early if the round breaks")
+    parser.add_argument("--gap", type=_pair, default=(2.0, 7.0), metavar="MIN,MAX",
+                        help="time between two faults (s)")
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help=f"fault kinds to inject (default all: {', '.join(KINDS)})")
+    parser.add_argument("--max-seconds", type=float, default=3600.0)
+    parser.add_argument("--stall-timeout", type=float, default=120.0)
+    parser.add_argument("--out", type=Path, help="write the JSON report here")
+    parser.add_argument("--markdown", type=Path, help="write the summary tables here")
+    parser.add_argument("--logs", type=Path, help="keep node and agent logs here")
+    parser.add_argument("--schedule-only", type=int, metavar="N",
+                        help="print the first N faults of the seed's schedule and exit")
+    parser.add_argument("--check-events", type=Path, metavar="EVENTS_JSONL",
+                        help="check the round invariants of a recorded run (e.g. an interrupted "
+                             "one) from its events.jsonl, and exit")
+    args = parser.parse_args(argv)
+
+    kinds = {k.strip(): KINDS[k.strip()] for k in args.kinds.split(",") if k.strip() in KINDS}
+    unknown = [k for k in args.kinds.split(",") if k.strip() and k.strip() not in KINDS]
+    if unknown or not kinds:
+        parser.error(f"unknown fault kinds {unknown}; known: {', '.join(KINDS)}")
+    if args.check_events is not None:
+        return check_events_file(args.check_events, min_nodes=args.min_nodes,
+                                 max_nodes=args.max_nodes or max(args.min_nodes, args.nodes - 1))
+    if args.schedule_only is not None:
+        specs = list(itertools.islice(fault_schedule(args.seed, gap=args.gap,
+                                                     heartbeat=args.heartbeat, kinds=kinds),
+                                      args.schedule_only))
+        for spec in specs:
+            print(json.dumps(dataclasses.asdict(spec)))
+        print(f"digest {schedule_digest(specs)}")
+        return 0
+    def stop(signum: int, frame: object) -> None:  # clean up (finally blocks) on SIGTERM too
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)  # also when started in the background (SIG_IGN)
+    cfg = CampaignConfig(seed=args.seed, rounds=args.rounds, nodes=args.nodes,
+                         min_nodes=args.min_nodes, max_nodes=args.max_nodes,
+                         heartbeat=args.heartbeat, join_timeout=args.join_timeout,
+                         train=args.train, gap=args.gap, kinds=kinds,
+                         max_seconds=args.max_seconds, stall_timeout=args.stall_timeout)
+    report = run_campaign(cfg, log_dir=args.logs)
+    text = summary(report)
+    print(text)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1, sort_keys=True, default=str) + "\n")
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    if report["violations"]["count"]:
+        print(f"{report['violations']['count']} violation(s); logs kept in {report['logs']}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
