@@ -147,6 +147,7 @@ class Round:
     min_nodes: int = 0  # the sealing coordinator's settings, for operators
     max_nodes: int = 0
     closed: dict | None = None  # {"reason": ..., "at": ..., "by": ...}
+    incarnations: list[str] = field(default_factory=list)  # the process of each rank
     modify_index: int = field(default=0, compare=False)
 
     @property
@@ -167,6 +168,7 @@ class Round:
                 round=int(data.get("round", 0)), ranks=ranks,
                 hosts=[str(h) for h in data.get("hosts") or []], store=data.get("store"),
                 members_index=int(data.get("members_index", 0)),
+                incarnations=[str(i) for i in data.get("incarnations") or []],
                 coordinator=str(data.get("coordinator", "")), seal_id=str(data.get("seal_id", "")),
                 first_join=float(data.get("first_join", 0.0)),
                 quorum_at=float(data.get("quorum_at", 0.0)),

@@ -136,9 +136,13 @@ def count_waiting(members: Mapping[str, MemberView], participants: list[str],
     return len(broken) + (len(newcomers) if room else 0)
 
 
+#: Per node, besides its id and host: quotes and commas, and its incarnation (32 hex digits).
+PER_NODE_FIXED = 6 + 35
+
+
 def round_bytes(world: int, node_id_len: int, host_len: int, prefix_len: int = 200) -> int:
     """Upper estimate of the seal transaction's size for ``world`` nodes."""
-    per_node = node_id_len + host_len + 6  # two JSON strings, quotes and commas
+    per_node = node_id_len + host_len + PER_NODE_FIXED
     raw = world * per_node + ROUND_OVERHEAD // 2
     return math.ceil(raw * 4 / 3) + ROUND_OVERHEAD // 2 + 2 * prefix_len
 
@@ -146,7 +150,7 @@ def round_bytes(world: int, node_id_len: int, host_len: int, prefix_len: int = 2
 def largest_world(node_id_len: int, host_len: int, prefix_len: int = 200) -> int:
     """The largest world whose sealed round fits Consul's transaction limit."""
     budget = (MAX_TXN_BYTES - ROUND_OVERHEAD // 2 - 2 * prefix_len) * 3 / 4 - ROUND_OVERHEAD // 2
-    return max(0, int(budget // (node_id_len + host_len + 6)))
+    return max(0, int(budget // (node_id_len + host_len + PER_NODE_FIXED)))
 
 
 def json_len(text: str) -> int:

@@ -500,8 +500,21 @@ class Registration:
                     behavior="delete", lock_delay="0s", deadline=deadline if looked else soon,
                 )
             except ConsulBadRequest as exc:
+                if "critical state" not in str(exc):
+                    raise
+                if "serfHealth" in str(exc):
+                    # This host's agent is not (yet) a healthy member of the cluster: it has
+                    # just (re)started, or it is cut off. Transient: wait for it, within the
+                    # deadline (the session binds to serfHealth so that a dead host's nodes go).
+                    if time.monotonic() >= deadline:
+                        raise
+                    logger.info("Node %s: its Consul agent is not a healthy cluster member "
+                                "yet (serfHealth critical); creating its session again in 1s.",
+                                self.node_id)
+                    self._stop.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+                    continue
                 critical += 1
-                if "critical state" not in str(exc) or critical == 3:
+                if critical == 3:
                     raise
                 logger.warning("Node %s: its check went critical before its session was "
                                "created; passing it and trying again.", self.node_id)

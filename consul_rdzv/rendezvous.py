@@ -549,9 +549,19 @@ class ConsulRendezvous:
             if current and current.closed:
                 self._drop_member()
                 raise self._closed_error(current)
-            if current and self.node_id in current.ranks and current.members_index >= my_index:
+            if self._meant_for_me(current, my_index):
                 return self._result(current)
             progress.maybe_log(state)
+
+    def _meant_for_me(self, current: Round | None, my_index: int) -> bool:
+        """A sealed round that lists this process: its node id, from a member snapshot that
+        covers our write, and (rounds that record it) our incarnation: a newer process with our
+        node id may have been sealed in, and that round is not ours."""
+        if not current or self.node_id not in current.ranks or current.members_index < my_index:
+            return False
+        if current.incarnations:
+            return current.incarnations[current.ranks.index(self.node_id)] == self.incarnation.id
+        return True
 
     def _reopen(self, closed: Round, deadline: float) -> bool:
         """The run is closed: if no node of the job that closed it is left, open it again.
@@ -625,6 +635,8 @@ class ConsulRendezvous:
             if state.round and state.round.closed:
                 self._drop_member()
                 raise self._closed_error(state.round)
+            if self._meant_for_me(state.round, my_index):
+                return self._result(state.round)  # our own seal, whose answer was lost
             plan = plan_round(state, self.settings, time.monotonic(), quorum_since)
             if quorum_since is None and plan.quorum_since is not None and plan.seal is None:
                 logger.debug("Run %s has a quorum; last call for %gs.", self.run_id,
@@ -659,6 +671,7 @@ class ConsulRendezvous:
         sealed = Round(
             round=number, ranks=order, hosts=[state.members[n].host for n in order],
             store=rank0.endpoint, members_index=snapshot_index, coordinator=self.node_id,
+            incarnations=[state.members[n].incarnation for n in order],
             seal_id=uuid.uuid4().hex, first_join=first_seen, quorum_at=quorum_at,
             sealed_at=time.time(), min_nodes=self.settings.min_nodes,
             max_nodes=self.settings.max_nodes,

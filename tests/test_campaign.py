@@ -2,12 +2,10 @@
 records (each violation kind is caught), a short campaign on a real cluster (slow), and the
 lost-seal-answer stall the campaign found, reproduced deterministically on a dev agent.
 
-The campaign found two product bugs, each reproduced below by a deterministic test marked
-``xfail(strict=True)``: a coordinator that stalls for ``join_timeout`` when the answer to its
-seal is lost (``leader_kill_at_seal`` provokes it), and a replaced process that returns its
-replacement's round (``worker_replace`` provokes it). Each kind hits its bug in a few percent of
-its injections, which would make the short campaign flaky, so it runs every other kind until the
-product is fixed: when an xfail test passes, remove its marker and the kind's exclusion.
+The campaign found two product bugs, fixed since and each reproduced below by a deterministic
+test: a coordinator that stalled for ``join_timeout`` when the answer to its seal was lost
+(``leader_kill_at_seal`` provokes it), and a replaced process that returned its replacement's
+round (``worker_replace`` provokes it). The rounds now name each rank's incarnation.
 """
 
 from __future__ import annotations
@@ -214,9 +212,7 @@ def test_check_missed_rounds_accepts_a_round_not_meant_for_it_or_not_missed(case
 
 @pytest.mark.slow
 def test_short_campaign_on_a_cluster_keeps_every_invariant(tmp_path):
-    known_bugs = {"leader_kill_at_seal", "worker_replace"}  # see the module docstring
-    kinds_ = {k: w for k, w in KINDS.items() if k not in known_bugs}
-    cfg = CampaignConfig(seed=20261203, rounds=50, gap=(1.5, 4.0), kinds=kinds_,
+    cfg = CampaignConfig(seed=20261203, rounds=50, gap=(1.5, 4.0), kinds=dict(KINDS),
                          max_seconds=300.0, stall_timeout=60.0)
     started = time.monotonic()
     report_ = run_campaign(cfg)
@@ -253,10 +249,6 @@ class SealAnswerLost(ConsulClient):
         return resp
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug found by the campaign (docs/campaign.md): a coordinator whose seal was "
-    "committed but whose answer was lost retries it, gets a CAS conflict, re-reads, and then "
-    "waits for itself as an active participant of the round it sealed until join_timeout"))
 def test_coordinator_returns_its_round_if_the_answer_to_its_seal_is_lost(agent, prefix,
                                                                        tmp_path):
     run = Cluster(agent, prefix, tmp_path)
@@ -278,11 +270,6 @@ def test_coordinator_returns_its_round_if_the_answer_to_its_seal_is_lost(agent, 
         run.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug found by the campaign (docs/campaign.md): a waiter accepts any round that "
-    "lists its node id with members_index >= its own write, so a replaced process (its session "
-    "destroyed by a newer process with its node id) still accepts the round sealed from its "
-    "replacement's write: two processes of one node id in one round, with the same rank"))
 def test_replaced_waiter_never_returns_its_replacements_round(agent, prefix, tmp_path):
     run = Cluster(agent, prefix, tmp_path)
     try:
@@ -298,8 +285,11 @@ def test_replaced_waiter_never_returns_its_replacements_round(agent, prefix, tmp
             time.sleep(0.01)
         new = run.node("x", settings)  # same node id and host, newer incarnation: takes over
         pending["x"] = run.start([new])["x"]
-        while time.monotonic() < deadline and (
-                "x" not in run.members() or run.members()["x"].incarnation != new.incarnation.id):
+        def holder() -> str | None:  # one read: the key vanishes between old and new
+            member = run.members().get("x")
+            return member.incarnation if member else None
+
+        while time.monotonic() < deadline and holder() != new.incarnation.id:
             time.sleep(0.01)
         time.sleep(1.0)  # the old process's threads notice that its session is gone
         pending.update(run.start([run.node("d", settings)]))

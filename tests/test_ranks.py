@@ -295,7 +295,8 @@ def test_round_size_estimate_bounds_the_real_document():
     hosts = [f"host-{i:04d}.example.internal" for i in range(1000)]
     doc = Round(round=7, ranks=ids, hosts=hosts, store={"host": "h", "port": 1},
                 members_index=123456, coordinator=ids[0], seal_id="f" * 32, first_join=1e9,
-                quorum_at=1e9, sealed_at=1e9).encode()
+                quorum_at=1e9, sealed_at=1e9, min_nodes=1000, max_nodes=1000,
+                incarnations=["0123456789abcdef" * 2] * 1000).encode()
     prefix = "p" * 200
     ops = [txn_kv("check-session", f"{prefix}/round/leader", session="s" * 36),
            txn_kv("cas", f"{prefix}/round/current", value=doc, index=999999)]
@@ -309,5 +310,5 @@ def test_largest_world_fits_and_one_more_does_not():
         fits = largest_world(id_len, host_len)
         assert round_bytes(fits, id_len, host_len) <= MAX_TXN_BYTES
         assert round_bytes(fits + 2, id_len, host_len) > MAX_TXN_BYTES
-    assert 1100 < largest_world(160, 160) < 1300  # long names: about 1200 nodes
-    assert largest_world(30, 12) > 7000  # the default node ids: far beyond real jobs
+    assert 1000 < largest_world(160, 160) < 1200  # long names: about 1,100 nodes
+    assert largest_world(30, 12) > 4500  # the default node ids: far beyond real jobs
