@@ -156,6 +156,7 @@ class ConsulRendezvous:
         self._waiting = 0
         self._broken = threading.Event()
         self._broken_reason = ""
+        self._broken_listeners: set[threading.Event] = set()
         self._closed_alive: list[str] = []  # nodes of the job that closed the run, still alive
         self._left = False
 
@@ -294,6 +295,19 @@ class ConsulRendezvous:
             return self._broken_reason
         return None
 
+    def wait_round_broken_or(self, event: threading.Event, timeout: float) -> str | None:
+        """Block until ``event`` is set or the current round breaks, at most ``timeout``; why
+        the round broke, or None. No polling: breaking the round sets ``event`` too."""
+        with self._lock:
+            self._broken_listeners.add(event)
+        try:
+            if not self._broken.is_set():
+                event.wait(timeout)
+            return self._broken_reason if self._broken.is_set() else None
+        finally:
+            with self._lock:
+                self._broken_listeners.discard(event)
+
     def is_closed(self) -> bool:
         try:
             res = self.client.kv_get(self.keys.round, deadline=self._op_deadline())
@@ -424,6 +438,8 @@ class ConsulRendezvous:
         if not self._broken.is_set():
             self._broken_reason = reason
             self._broken.set()
+            for event in list(self._broken_listeners):
+                event.set()
 
     # ------------------------------------------------------------------ joining
 

@@ -75,9 +75,6 @@ logger = logging.getLogger(__name__)
 BACKEND = "consul"
 #: Retry budget of the registration attempted when the handler is created.
 EAGER_REGISTER_TIMEOUT = 1.0
-#: How often a node connecting to rank 0's store, or waiting there for the other members, looks
-#: whether the round broke meanwhile (a local flag the membership watch sets: no request).
-STORE_POLL = 0.1
 #: How long ``shutdown()`` may take (close, then leave) after Consul failed this node.
 SHUTDOWN_AFTER_CONSUL_FAILURE = 3.0
 #: How long the leave of an agent that exits without ``shutdown()`` (a signal) may take.
@@ -96,6 +93,10 @@ _ERRORS: tuple[tuple[type[Exception], type[Exception]], ...] = (
 
 class _RoundAbandoned(Exception):
     """A member of the round is gone or asks for a new round: meet in the next one."""
+
+
+class _StoreUnreachable(Exception):
+    """The connection to rank 0's store failed (the cause is ``args[0]``)."""
 
 
 def _to_torch(exc: Exception) -> Exception:
@@ -274,65 +275,72 @@ class ConsulRendezvousHandler(RendezvousHandler):
             self._server = tcp
         else:
             self._release_reservation()
-            tcp = self._connect(result, host, port, until)
-            tcp.set_timeout(timeout)
-        store = PrefixStore(f"torchelastic/{result.run_id}/{result.round}", tcp)
-        if result.world_size > 1:
-            self._check_in(store, result, until)
+            tcp = None
+        box: dict = {}
+
+        def meet() -> Store:
+            """In one helper thread: reach rank 0's store (one attempt with the whole budget:
+            a connection burst against rank 0 can take seconds, slow reverse DNS on its side,
+            a full backlog), check in, wait until every member has."""
+            client = tcp
+            if client is None:
+                try:
+                    client = TCPStore(host, port, None, False, _seconds(until))
+                except (RuntimeError, OSError) as exc:
+                    raise _StoreUnreachable(exc) from exc
+                client.set_timeout(timeout)
+            store = box["store"] = PrefixStore(f"torchelastic/{result.run_id}/{result.round}",
+                                               client)
+            if result.world_size > 1:
+                done = f"{CHECKIN}/done"
+                store.set(f"{CHECKIN}/{result.rank}", self._rdzv.node_id)
+                if store.add(CHECKIN, 1) == result.world_size:
+                    store.set(done, "1")
+                store.wait([done], _seconds(until))
+            return store
+
+        try:
+            store = self._unless_broken(meet, until, "meeting")
+        except _StoreUnreachable as exc:
+            raise self._unreachable(result, host, port, until, exc.args[0]) from exc.args[0]
+        except (RuntimeError, OSError) as exc:
+            raise self._not_everyone(result, box.get("store"), until, exc) from exc
         return ConsulRendezvousInfo(store, result.rank, result.world_size,
                                     RendezvousStoreInfo(host, port), result)
 
-    def _connect(self, result: RoundResult, host: str, port: int, until: float) -> TCPStore:
-        """Connect to rank 0's store with the whole budget, unless the round breaks first.
-
-        One attempt (a connection burst against rank 0 can take seconds: slow reverse DNS on
-        its side, a full backlog; short attempts would only queue up again).
-        """
+    def _unreachable(self, result: RoundResult, host: str, port: int, until: float,
+                     error: BaseException) -> Exception:
         rdzv = self._rdzv
-        try:
-            return self._unless_broken(lambda: TCPStore(host, port, None, False,
-                                                        _seconds(until)), until, "connect")
-        except (RuntimeError, OSError) as exc:
-            error = exc
         reason = rdzv.wait_round_broken(max(0.0, until - time.monotonic()))
         if reason:  # rank 0 refused us because it is dead, and Consul says so now
-            raise _RoundAbandoned(reason) from error
-        raise torch_api.RendezvousConnectionError(
+            return _RoundAbandoned(reason)
+        return torch_api.RendezvousConnectionError(
             f"Node {rdzv.node_id} could not reach the trainer store of round "
             f"{result.round} of run {result.run_id} at {host}:{port} (hosted by rank 0, "
             f"{result.participants[0]}) within read_timeout ({rdzv.settings.read_timeout:g}s), "
             f"although rank 0 is alive in Consul: {error}. Check that {host} resolves and that "
             "the port is reachable from this host (--local-addr of rank 0, firewalls)."
-        ) from error
+        )
 
-    def _check_in(self, store: Store, result: RoundResult, until: float) -> None:
-        """Say we are here, and wait until every member of the round has said so."""
+    def _not_everyone(self, result: RoundResult, store: Store | None, until: float,
+                      error: BaseException) -> Exception:
         rdzv = self._rdzv
-        done = f"{CHECKIN}/done"
-
-        def check_in() -> None:
-            store.set(f"{CHECKIN}/{result.rank}", rdzv.node_id)
-            if store.add(CHECKIN, 1) == result.world_size:
-                store.set(done, "1")
-            store.wait([done], _seconds(until))
-
-        try:
-            self._unless_broken(check_in, until, "check-in")
-        except (RuntimeError, OSError) as exc:
-            reason = rdzv.wait_round_broken(max(0.0, until - time.monotonic()))
-            if reason:  # the store failed because rank 0 died, and Consul says so now
-                raise _RoundAbandoned(reason) from exc
-            raise torch_api.RendezvousTimeoutError(
-                f"Node {rdzv.node_id}: not every member of round {result.round} of run "
-                f"{result.run_id} reached its trainer store within read_timeout "
-                f"({rdzv.settings.read_timeout:g}s); missing: "
-                f"{', '.join(_missing(store, result)) or 'unknown'}. They are alive in Consul "
-                f"but did not check in: hung, or unable to reach rank 0's store ({exc})."
-            ) from exc
+        reason = rdzv.wait_round_broken(max(0.0, until - time.monotonic()))
+        if reason:  # the store failed because rank 0 died, and Consul says so now
+            return _RoundAbandoned(reason)
+        missing = ", ".join(_missing(store, result)) if store is not None else ""
+        return torch_api.RendezvousTimeoutError(
+            f"Node {rdzv.node_id}: not every member of round {result.round} of run "
+            f"{result.run_id} reached its trainer store within read_timeout "
+            f"({rdzv.settings.read_timeout:g}s); missing: {missing or 'unknown'}. They are "
+            f"alive in Consul but did not check in: hung, or unable to reach rank 0's store "
+            f"({error})."
+        )
 
     def _unless_broken(self, call: Callable[[], object], until: float, what: str) -> object:
         """``call()`` (a blocking store operation bounded by ``until``) in a thread; raises
-        _RoundAbandoned as soon as the round breaks. An abandoned call ends by its timeout."""
+        _RoundAbandoned as soon as the round breaks (the watch wakes us: no polling). An
+        abandoned call ends by its own timeout."""
         rdzv = self._rdzv
         outcome: dict = {}
         done = threading.Event()
@@ -347,10 +355,13 @@ class ConsulRendezvousHandler(RendezvousHandler):
 
         threading.Thread(target=run, daemon=True,
                          name=f"consul-rdzv-store-{what}-{rdzv.node_id}").start()
-        while not done.wait(STORE_POLL):
-            reason = rdzv.wait_round_broken(0)
+        # The call ends by its own timeout at `until`; the margin only guards against a hang.
+        # (A broken round sets `done` too: look at the outcome, not at the event.)
+        reason = rdzv.wait_round_broken_or(done, max(0.0, until - time.monotonic()) + 5.0)
+        if not outcome:
             if reason:
                 raise _RoundAbandoned(reason)
+            raise RuntimeError(f"the trainer store's {what} did not end by its own timeout")
         if "error" in outcome:
             raise outcome["error"]
         return outcome.get("value")
