@@ -454,15 +454,22 @@ class ConsulClient:
 
         Retries stop at ``deadline`` (default: ``retry_timeout`` from now) and at most
         ``retry_timeout`` after the first failure: an answer that was merely slow (an overloaded
-        agent, past the read timeout) still gets retried when the caller's deadline is far.
+        agent, past the read timeout) still gets retried when the caller's deadline is far. A
+        retry of a plain (non-blocking) request waits for its answer no longer than what is
+        left of that window (at least 1 s), so a call that fails ends within its read timeout
+        plus ``retry_timeout`` (plus that second), however long the agent holds each request.
         """
         if deadline is None:
             deadline = time.monotonic() + self.retry_timeout
         delay = 0.02
         attempt = 0
         first_failure: float | None = None
+        plain = kwargs.get("read_timeout") is None  # not a blocking query
         while True:
             attempt += 1
+            if first_failure is not None and plain:
+                window = min(deadline, first_failure + self.retry_timeout) - time.monotonic()
+                kwargs["read_timeout"] = min(self.timeout, max(window, 1.0))
             try:
                 return self._request(method, path, **kwargs)
             except ConsulError as exc:

@@ -779,6 +779,27 @@ def test_retries_end_retry_timeout_after_the_first_failure(fresh_agent):
         client.close()
 
 
+def test_a_failing_call_ends_within_its_read_timeout_plus_retry_timeout(fresh_agent):
+    # A frozen agent holds every request: the first attempt times out after the read timeout
+    # (4 s); the retries may only use what is left of retry_timeout (1 s) after that failure,
+    # not a whole read timeout each (which ended the call after 8 s: a cut-off client agent
+    # made next_round() fail 5 s later than docs/deployment.md says).
+    client = ConsulClient(fresh_agent.config(), timeout=4.0, retry_timeout=1.0)
+    try:
+        fresh_agent.freeze()
+        try:
+            started = time.monotonic()
+            with pytest.raises(ConsulUnavailableError, match="timed out"):
+                client.status_leader(deadline=started + 30)
+            took = time.monotonic() - started
+        finally:
+            fresh_agent.thaw()
+        assert 4.9 <= took < 6.5, f"gave up after {took:.2f}s"
+        assert client.request_counts["GET status"] >= 2
+    finally:
+        client.close()
+
+
 def test_an_answer_slower_than_the_read_timeout_is_retried(fresh_agent):
     # The first attempt times out (the agent is frozen for 1.2 s, the read timeout is 0.5 s);
     # the call is retried within retry_timeout of that failure and succeeds once it answers.
