@@ -113,8 +113,10 @@ class Registration:
         self.check_id = f"{self.service_id}:ttl:{incarnation.id[:8]}"
         #: From this monotonic time on, the keep thread probes the session every interval (a
         #: node that has been joining for a while); None: no probing (a training node's
-        #: membership watch sees its key vanish instead). See probe_session_from().
-        self._probe_from: float | None = time.monotonic()
+        #: membership watch sees its key vanish instead; a node registered at handler creation
+        #: but not joining yet has nothing to notice: next_round() starts it). See
+        #: probe_session_from().
+        self._probe_from: float | None = None
         self._on_lost = on_lost
         self._session: str | None = None
         self._lost = threading.Event()
