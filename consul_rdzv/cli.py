@@ -464,6 +464,8 @@ def _node_row(rank: int | None, node: str, member: Member | None, inst: Instance
         "heartbeat_at": utc(beat),
         "heartbeat_age": None if beat is None else round(now - beat, 3),
         "heartbeat_source": inst.source if inst else None,
+        # the check's TTL (heartbeat_timeout): a heartbeat older than this is a dead node's
+        "ttl": (inst.meta.get("ttl") or None) if inst else None,
         "state": state,
     }
 
@@ -596,10 +598,12 @@ def render_status(doc: dict[str, Any]) -> list[str]:
         else:
             beat = f"{fmt_duration(r['heartbeat_age'])} ago ({r['heartbeat_source']})"
         rows.append(["-" if r["rank"] is None else str(r["rank"]), r["node"],
-                     r["address"] or "-", r["health"] or "-", beat, r["state"]])
+                     r["address"] or "-", r["health"] or "-", beat, r.get("ttl") or "-",
+                     r["state"]])
     if rows:
         lines.append("")
-        lines += table(["RANK", "NODE", "ADDRESS", "HEALTH", "HEARTBEAT", "STATE"], rows, "  ")
+        lines += table(["RANK", "NODE", "ADDRESS", "HEALTH", "HEARTBEAT", "TTL", "STATE"], rows,
+                       "  ")
     lines.append("")
     field_("waiting", ", ".join(doc["waiting"]) or "none")
     if doc["instances_hidden"]:

@@ -220,7 +220,7 @@ class Registration:
         meta = {"run_id": self.settings.run_id, "node_id": self.node_id[:512],
                 "host": self.host[:512], "pid": str(os.getpid()),
                 "incarnation": self.incarnation.id, "started": f"{self.incarnation.started:.6f}",
-                **self._meta}
+                "ttl": f"{self.settings.heartbeat_timeout:g}s", **self._meta}
         meta.update({k: str(v) for k, v in self.settings.node_meta.items()})
         tags = ["consul-rdzv", f"run-{self.settings.run_id}", f"state-{meta['state']}"]
         if "rank" in self._meta:

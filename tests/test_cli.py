@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from rdzv_nodes import Cluster, wait_for
+from rdzv_nodes import HB, Cluster, wait_for
 
 from consul_rdzv import __version__
 from consul_rdzv.cli import build_parser, fmt_duration, heartbeat_time, parse_duration
@@ -136,7 +136,7 @@ def test_list_and_status_of_a_running_run(agent, run, prefix):
     for expected in (f"coordinator:   {leader}", "min/max:       2/2 nodes", "round:         1, "
                      "world size 2", "trainer store: node-", "waiting:       spare-0"):
         assert expected in out, out
-    assert "RANK  NODE" in out and "HEARTBEAT" in out
+    assert "RANK  NODE" in out and "HEARTBEAT" in out and f" {HB:g}s " in out
 
     status = json.loads(cli("status", run.run_id, "--key-prefix", prefix, "--json").stdout)
     assert status["state"] == "training" and status["round"] == 1
@@ -148,6 +148,7 @@ def test_list_and_status_of_a_running_run(agent, run, prefix):
     assert [n["node"] for n in ranked] == current.ranks
     for n in ranked:
         assert n["state"] == "active" and n["health"] == "passing", n
+        assert n["ttl"] == f"{HB:g}s", n  # the check's TTL, from the instance's meta
         assert n["address"] == f"{n['node']}.store.test"  # the advertised store host
     # heartbeats are read from the agent that holds the checks: seconds old, never minutes
     wait_for(lambda: all(
