@@ -15,6 +15,12 @@ from .ranks import POLICIES
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_.\-/]{1,200}$")
 _META_KEY = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+#: Service meta keys consul-rdzv writes itself (registration.py, rendezvous.py): a node_meta
+#: item may not replace one (an "incarnation" would defeat the same-node-id takeover).
+RESERVED_META = frozenset({"run_id", "node_id", "host", "pid", "incarnation", "started", "ttl",
+                           "state", "round", "rank", "world_size", "store"})
+#: Consul allows 64 meta pairs per service instance; consul-rdzv uses the reserved ones.
+MAX_NODE_META = 64 - len(RESERVED_META)
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,18 @@ class RendezvousSettings:
                 raise ValueError(
                     f"node_rank {self.node_rank} is outside 0..{self.max_nodes - 1} (max_nodes)."
                 )
+        if len(self.node_meta) > MAX_NODE_META:
+            raise ValueError(
+                f"node_meta has {len(self.node_meta)} items; at most {MAX_NODE_META} fit (Consul "
+                f"allows 64 meta pairs per service instance, consul-rdzv uses "
+                f"{len(RESERVED_META)})."
+            )
         for key, value in self.node_meta.items():
+            if str(key) in RESERVED_META:
+                raise ValueError(
+                    f"node meta key {key!r} is reserved: consul-rdzv writes it itself "
+                    f"({', '.join(sorted(RESERVED_META))}); choose another key name."
+                )
             if not _META_KEY.match(str(key)) or len(str(value)) > 512:
                 raise ValueError(
                     f"node meta {key!r}={value!r} is invalid: keys are 1-128 chars of "
