@@ -21,12 +21,66 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import urllib3
 
 from consul_rdzv.testing import free_port
 
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
+
+
+def _forwarding_server(port: int, pool: urllib3.PoolManager, upstream: Callable[[], str], *,
+                       before: Callable[[str, str], None] | None = None,
+                       after: Callable[[str], None] | None = None,
+                       ) -> http.server.ThreadingHTTPServer:
+    """An HTTP/1.1 server on 127.0.0.1:``port`` that forwards every request as it is (method,
+    path, query, headers, body) to ``upstream()`` and sends its answer back.
+
+    ``before(method, path)`` runs once the request is read, before it is forwarded;
+    ``after(path)`` once the answer is in, before it is sent (the faults of ConsulProxy).
+    """
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _forward(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else None
+            if before is not None:
+                before(self.command, self.path)
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_HEADERS}
+            try:
+                answer = pool.urlopen(
+                    self.command, upstream() + self.path, body=body, headers=headers,
+                    redirect=False, preload_content=True,
+                    timeout=urllib3.Timeout(connect=5, read=400))
+            except urllib3.exceptions.HTTPError as exc:
+                self.send_error(502, f"proxy: {exc}")
+                return
+            if after is not None:
+                after(self.path)
+            self.send_response(answer.status)
+            for key, value in answer.headers.items():
+                if key.lower() not in _HOP_HEADERS:
+                    self.send_header(key, value)
+            self.send_header("Content-Length", str(len(answer.data)))
+            self.end_headers()
+            self.wfile.write(answer.data)
+
+        do_GET = do_PUT = do_DELETE = do_POST = _forward
+
+        def log_message(self, *args) -> None:
+            pass
+
+    class Server(http.server.ThreadingHTTPServer):
+        daemon_threads = True
+        allow_reuse_address = True
+
+        def handle_error(self, request, client_address) -> None:
+            pass  # a client that went away mid-request is not the test's business
+
+    return Server(("127.0.0.1", port), Handler)
 
 
 class ConsulProxy:
@@ -60,58 +114,24 @@ class ConsulProxy:
         self.agent_answer_delay = 0.0
         self._healed.set()
 
+    def _before(self, method: str, path: str) -> None:
+        self._healed.wait()  # black-holed: hold the request (and the connection)
+        self.counts[f"{method} {path.split('?')[0]}"] += 1
+        if not path.startswith("/v1/agent/") and self.server_delay:
+            time.sleep(self.server_delay)
+
+    def _after(self, path: str) -> None:
+        # A cut holds answers already in flight too (a blocking query sent before the cut must
+        # not deliver its answer through it).
+        self._healed.wait()
+        if path.startswith("/v1/agent/") and self.agent_answer_delay:
+            time.sleep(self.agent_answer_delay)
+
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> ConsulProxy:
-        proxy = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def _forward(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
-                proxy._healed.wait()  # black-holed: hold the request (and the connection)
-                path = self.path
-                proxy.counts[f"{self.command} {path.split('?')[0]}"] += 1
-                if not path.startswith("/v1/agent/") and proxy.server_delay:
-                    time.sleep(proxy.server_delay)
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in _HOP_HEADERS}
-                try:
-                    answer = proxy._pool.urlopen(
-                        self.command, proxy.upstream + path, body=body, headers=headers,
-                        redirect=False, preload_content=True,
-                        timeout=urllib3.Timeout(connect=5, read=400))
-                except urllib3.exceptions.HTTPError as exc:
-                    self.send_error(502, f"proxy: {exc}")
-                    return
-                # A cut holds answers already in flight too (a blocking query sent before the
-                # cut must not deliver its answer through it).
-                proxy._healed.wait()
-                if path.startswith("/v1/agent/") and proxy.agent_answer_delay:
-                    time.sleep(proxy.agent_answer_delay)
-                self.send_response(answer.status)
-                for key, value in answer.headers.items():
-                    if key.lower() not in _HOP_HEADERS:
-                        self.send_header(key, value)
-                self.send_header("Content-Length", str(len(answer.data)))
-                self.end_headers()
-                self.wfile.write(answer.data)
-
-            do_GET = do_PUT = do_DELETE = do_POST = _forward
-
-            def log_message(self, *args) -> None:
-                pass
-
-        class Server(http.server.ThreadingHTTPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-
-            def handle_error(self, request, client_address) -> None:
-                pass  # a client that went away mid-request is not the test's business
-
-        self._server = Server(("127.0.0.1", self.port), Handler)
+        self._server = _forwarding_server(self.port, self._pool, lambda: self.upstream,
+                                          before=self._before, after=self._after)
         self._server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         threading.Thread(target=self._server.serve_forever, daemon=True,
                          name=f"consul-proxy-{self.port}").start()
@@ -207,52 +227,11 @@ class RoundRobinProxy:
 
     # ------------------------------------------------------------------ per request
 
-    def _http_server(self) -> http.server.ThreadingHTTPServer:
-        proxy = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def _forward(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in _HOP_HEADERS}
-                try:
-                    answer = proxy._pool.urlopen(
-                        self.command, proxy._pick() + self.path, body=body, headers=headers,
-                        redirect=False, preload_content=True,
-                        timeout=urllib3.Timeout(connect=5, read=400))
-                except urllib3.exceptions.HTTPError as exc:
-                    self.send_error(502, f"proxy: {exc}")
-                    return
-                self.send_response(answer.status)
-                for key, value in answer.headers.items():
-                    if key.lower() not in _HOP_HEADERS:
-                        self.send_header(key, value)
-                self.send_header("Content-Length", str(len(answer.data)))
-                self.end_headers()
-                self.wfile.write(answer.data)
-
-            do_GET = do_PUT = do_DELETE = do_POST = _forward
-
-            def log_message(self, *args) -> None:
-                pass
-
-        class Server(http.server.ThreadingHTTPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-
-            def handle_error(self, request, client_address) -> None:
-                pass
-
-        return Server(("127.0.0.1", self.port), Handler)
-
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> RoundRobinProxy:
         if self.per == "request":
-            self._server = self._http_server()
+            self._server = _forwarding_server(self.port, self._pool, self._pick)
             threading.Thread(target=self._server.serve_forever, daemon=True,
                              name=f"round-robin-{self.port}").start()
         else:
