@@ -301,19 +301,22 @@ class ConsulRendezvousHandler(RendezvousHandler):
 
         try:
             store = self._unless_broken(meet, until, "meeting")
-        except _StoreUnreachable as exc:
-            raise self._unreachable(result, host, port, until, exc.args[0]) from exc.args[0]
-        except (RuntimeError, OSError) as exc:
-            raise self._not_everyone(result, box.get("store"), until, exc) from exc
+        except (_StoreUnreachable, RuntimeError, OSError) as exc:
+            error = exc.args[0] if isinstance(exc, _StoreUnreachable) else exc
+            # Rank 0 refused us, or the store failed, because a member died: Consul says so
+            # within the check TTL, well within the meeting's budget.
+            reason = self._rdzv.wait_round_broken(max(0.0, until - time.monotonic()))
+            if reason:
+                raise _RoundAbandoned(reason) from error
+            if isinstance(exc, _StoreUnreachable):
+                raise self._unreachable(result, host, port, error) from error
+            raise self._not_everyone(result, box.get("store"), error) from error
         return ConsulRendezvousInfo(store, result.rank, result.world_size,
                                     RendezvousStoreInfo(host, port), result)
 
-    def _unreachable(self, result: RoundResult, host: str, port: int, until: float,
+    def _unreachable(self, result: RoundResult, host: str, port: int,
                      error: BaseException) -> Exception:
         rdzv = self._rdzv
-        reason = rdzv.wait_round_broken(max(0.0, until - time.monotonic()))
-        if reason:  # rank 0 refused us because it is dead, and Consul says so now
-            return _RoundAbandoned(reason)
         return torch_api.RendezvousConnectionError(
             f"Node {rdzv.node_id} could not reach the trainer store of round "
             f"{result.round} of run {result.run_id} at {host}:{port} (hosted by rank 0, "
@@ -322,12 +325,9 @@ class ConsulRendezvousHandler(RendezvousHandler):
             "the port is reachable from this host (--local-addr of rank 0, firewalls)."
         )
 
-    def _not_everyone(self, result: RoundResult, store: Store | None, until: float,
+    def _not_everyone(self, result: RoundResult, store: Store | None,
                       error: BaseException) -> Exception:
         rdzv = self._rdzv
-        reason = rdzv.wait_round_broken(max(0.0, until - time.monotonic()))
-        if reason:  # the store failed because rank 0 died, and Consul says so now
-            return _RoundAbandoned(reason)
         missing = ", ".join(_missing(store, result)) if store is not None else ""
         return torch_api.RendezvousTimeoutError(
             f"Node {rdzv.node_id}: not every member of round {result.round} of run "
