@@ -657,8 +657,10 @@ def _print_json(doc: Any, *, compact: bool = False) -> None:
     print(text, flush=True)
 
 
-def cmd_list(args: argparse.Namespace) -> int:
-    """``list``: one line per run under the key prefix."""
+def _all_runs(args: argparse.Namespace) -> tuple[Reader, dict[str, list[KVEntry]],
+                                                  list[dict[str, Any]]]:
+    """Every run under the key prefix: the reader, each run's keys, and its
+    :func:`run_summary` (by run id): what ``list`` shows and ``gc`` judges."""
     _check_run_id(args)
     reader = _reader(args)
     reader.probe(args.key_prefix)
@@ -667,6 +669,12 @@ def cmd_list(args: argparse.Namespace) -> int:
     now = time.time()
     rows = [run_summary(run_id, entries, args.key_prefix, now, passing.get(run_id, 0))
             for run_id, entries in sorted(runs.items())]
+    return reader, runs, rows
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """``list``: one line per run under the key prefix."""
+    reader, _, rows = _all_runs(args)
     if args.json:
         _print_json({"key_prefix": args.key_prefix, "consul": reader.url, "runs": rows})
         return 0
@@ -888,15 +896,9 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """``gc``: delete runs that ended (closed, no live node) or were abandoned."""
-    _check_run_id(args)
-    reader = _reader(args)
-    reader.probe(args.key_prefix)
-    runs = reader.runs()
-    passing = reader.passing_runs()
-    now = time.time()
+    reader, runs, rows = _all_runs(args)
     doomed, kept = [], []
-    for run_id, entries in sorted(runs.items()):
-        row = run_summary(run_id, entries, args.key_prefix, now, passing.get(run_id, 0))
+    for row in rows:
         why = _gc_reason(row, args.older_than)
         row["why"] = why[1]
         (doomed if why[0] else kept).append(row)
