@@ -93,6 +93,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from bench.servers import cpu_model
 from consul_rdzv.client import ConsulClient
 from consul_rdzv.errors import ConsulError
 from consul_rdzv.layout import Keys
@@ -1378,17 +1379,11 @@ def _loadavg() -> str:
 
 
 def _machine() -> dict:
-    cpu = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     commit = ""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                 capture_output=True, text=True, timeout=10).stdout.strip()
-    return {"cpus": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
+    return {"cpus": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform(),
             "python": platform.python_version(), "consul": CONSUL_VERSION,
             "loadavg_end": _loadavg(), "commit": commit}
 

@@ -20,6 +20,7 @@ import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -532,16 +533,54 @@ def single_run_extras(path: Path, meta: dict) -> list[str]:
     return out
 
 
-def plot(path: Path, extra: Path | None = None, target: Path = PLOT) -> Path | None:
-    """Latency vs N, one panel per scenario; ``extra`` (a --loopback-hosts run) is overlaid."""
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or None (said on stderr) when it is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        import matplotlib.ticker
     except ImportError:
         print("matplotlib missing: pip install -e '.[bench]'", file=sys.stderr)
+        return None
+    return plt
+
+
+def _log_axes(axes: Any) -> None:
+    """Log-log panels of seconds against N, labelled in plain numbers, with their legends."""
+    import matplotlib.ticker
+
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("nodes N")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6.5)
+    axes[0].set_ylabel("seconds (median, min\u2013max)")
+
+
+def _save_png(plt: Any, fig: Any, target: Path) -> Path:
+    fig.tight_layout()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=80)
+    plt.close(fig)
+    try:  # a palette PNG is a third of the size: fit for committing
+        from PIL import Image
+
+        with Image.open(target) as img:
+            img.convert("RGB").quantize(colors=64).save(target, optimize=True)
+    except Exception:
+        pass
+    return target
+
+
+def plot(path: Path, extra: Path | None = None, target: Path = PLOT) -> Path | None:
+    """Latency vs N, one panel per scenario; ``extra`` (a --loopback-hosts run) is overlaid."""
+    plt = _pyplot()
+    if plt is None:
         return None
     meta, runs, skips = load(path)
     tables = [(Table(runs, skips), "")]
@@ -592,32 +631,13 @@ def plot(path: Path, extra: Path | None = None, target: Path = PLOT) -> Path | N
                     label += tag
                 ax.errorbar(ns, med, yerr=[lo, hi], color=color, linestyle=ls, marker=marker,
                             markersize=4, capsize=2, linewidth=1.2, label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("nodes N")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6.5)
-    axes[0].set_ylabel("seconds (median, min\u2013max)")
+    _log_axes(axes)
     m = meta.get("machine", {})
     fig.suptitle(f"Rendezvous latency, all nodes on one machine: {m.get('cores')} cores, "
                  f"torch {m.get('torch')}, {m.get('consul')}, etcd {m.get('etcd') or '-'}",
                  fontsize=10)
-    fig.tight_layout()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=80)
-    plt.close(fig)
-    try:  # a palette PNG is a third of the size: fit for committing
-        from PIL import Image
-
-        with Image.open(target) as img:
-            img.convert("RGB").quantize(colors=64).save(target, optimize=True)
-    except Exception:
-        pass
-    return target
+    return _save_png(plt, fig, target)
 
 
 def _replace_block(text: str, name: str, body: str) -> str:
@@ -1093,14 +1113,8 @@ def compare_problems(sets: list[tuple[str, RunSet]]) -> list[str]:
 def plot_compare(before: list[Path], after: list[Path], cluster: list[Path],
                  target: Path = PLOT) -> Path | None:
     """Three panels: fixed latency vs N, failover vs N (SIGKILL/SIGTERM), back-to-back rounds."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        print("matplotlib missing: pip install -e '.[bench]'", file=sys.stderr)
+    plt = _pyplot()
+    if plt is None:
         return None
     b, a = RunSet(before), RunSet(after)
     c = RunSet(cluster) if cluster else None
@@ -1189,32 +1203,12 @@ def plot_compare(before: list[Path], after: list[Path], cluster: list[Path],
                     label=f"slowest round 2-4, {label}")
     ax.axhline(0.3, color="gray", linestyle=":", linewidth=1)
     ax.set_title("back-to-back rounds (from the last entry)", fontsize=10)
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_xlabel("nodes N")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6.5)
-    axes[0].set_ylabel("seconds (median, min\u2013max)")
+    _log_axes(axes)
     meta = (a.metas or b.metas)[0]
     m = meta.get("machine", {})
     fig.suptitle(f"consul-rdzv before/after, all nodes on one {m.get('cores')}-core machine "
                  f"(shared), torch {m.get('torch')}, {m.get('consul')}", fontsize=10)
-    fig.tight_layout()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=80)
-    plt.close(fig)
-    try:  # a palette PNG is a third of the size: fit for committing
-        from PIL import Image
-
-        with Image.open(target) as img:
-            img.convert("RGB").quantize(colors=64).save(target, optimize=True)
-    except Exception:
-        pass
-    return target
+    return _save_png(plt, fig, target)
 
 
 def write_compare_docs(before: list[Path], after: list[Path], cluster: list[Path]) -> None:

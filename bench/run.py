@@ -991,15 +991,10 @@ def machine_info(etcd_bin: str | None, etcd_note: str) -> dict:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal"):
                 mem = round(int(line.split()[1]) / 1024 / 1024, 1)
-    cpu = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    info = {"cores": os.cpu_count(), "cpu": cpu, "mem_gb": mem, "python": platform.python_version(),
-            "platform": platform.platform(), "torch": torch.__version__,
-            "consul": servers.ConsulServer.version(), "etcd": None, "etcd_note": etcd_note}
+    info = {"cores": os.cpu_count(), "cpu": servers.cpu_model(), "mem_gb": mem,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "torch": torch.__version__, "consul": servers.ConsulServer.version(), "etcd": None,
+            "etcd_note": etcd_note}
     with contextlib.suppress(Exception):
         import importlib.metadata as md
 

@@ -170,6 +170,15 @@ def use_hosts_file(path: str) -> None:
         raise OSError(ctypes.get_errno(), f"bind-mounting {path} over /etc/hosts failed")
 
 
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo), or ""."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
 def cpu_seconds(pid: int | None) -> float | None:
     """User + system CPU seconds of a process (from /proc), or None."""
     if not pid:
