@@ -326,7 +326,8 @@ def test_torch_handlers_on_two_client_agents_train_through_a_leader_kill(cluster
     host's client agent: they meet at one live trainer store; the leader server is SIGKILLed
     while they train: neither loses its session or registration during the election, and
     after it they re-rendezvous with the same ranks. Neither should see a node waiting meanwhile
-    (torchrun would restart the workers): checked last, it fails today (a known bug)."""
+    (torchrun would restart the workers): checked last (WatchEndsTheRoundAfterAFailedQuery,
+    fixed)."""
     run_id = f"run-{prefix}"
     handlers = [torch_handler(member.address, run_id, prefix, f"host-{i}")
                 for i, member in enumerate(cluster.clients)]
@@ -382,8 +383,8 @@ def test_leader_killed_while_training_declares_no_live_node_dead(cluster, nodes)
     """The leader server is SIGKILLed while four nodes on two client agents train (check TTL
     ``TTL``): check passes are answered by the client agents, so no check lapses, no
     registration or session is lost, and the next round forms with the same ranks once a new
-    leader is elected. num_nodes_waiting() should stay 0 throughout: checked
-    last, it fails today (a known bug)."""
+    leader is elected. num_nodes_waiting() stays 0 throughout: checked
+    last (WatchEndsTheRoundAfterAFailedQuery, fixed)."""
     settings = nodes.settings(min_nodes=4, max_nodes=4, heartbeat_timeout=TTL)
     ns = [node_on(nodes, cluster.clients[i % 2], f"n{i}", settings) for i in range(4)]
     first = nodes.rounds(ns, timeout=30)
@@ -769,8 +770,8 @@ def test_quorum_lost_longer_than_consul_timeout_is_a_clear_error_and_nodes_recov
     """Quorum lost for longer than consul_timeout (3 s): waiting nodes fail with a
     RendezvousConnectionError naming their agent's address and Consul's "No cluster leader",
     within consul_timeout of the first failure (not after join_timeout). Training nodes keep
-    their registrations and sessions (no server can invalidate a session; their watches fail,
-    which today ends their round: WatchEndsTheRoundAfterAFailedQuery, counted in the figure).
+    their registrations and sessions (no server can invalidate a session; their watches fail
+    and read again once quorum is back, without ending the round).
     When the servers are back, the nodes form a round."""
     settings = nodes.settings(min_nodes=2, max_nodes=3, heartbeat_timeout=TTL,
                               consul_timeout=3.0, join_timeout=60.0)
