@@ -140,6 +140,9 @@ class Registration:
         self._misconfigured: ConsulConfigError | None = None
         self._first_looked = False
         self._refuse_lock = threading.Lock()
+        #: Guards the lost / suspected transitions (the pass thread suspects while ensure() or
+        #: held() clears a suspicion that Consul contradicts).
+        self._lost_lock = threading.Lock()
         #: Held while ensure() registers: no look at the agents may run meanwhile.
         self._ensure_lock = threading.Lock()
         self._stop = threading.Event()
@@ -188,17 +191,20 @@ class Registration:
         """
         if self._closed:
             return
-        if self._lost.is_set():
-            if confirmed and self._lost_suspected:
+        with self._lost_lock:
+            if self._lost.is_set():
+                if not (confirmed and self._lost_suspected):
+                    return
                 self._lost_suspected = False
-                if self._on_lost:
-                    self._on_lost(reason)
-            return
-        self._lost_reason = reason
-        self._lost_suspected = not confirmed
-        self._lost.set()
-        logger.warning("Node %s of run %s: %s; it will register again at its next round.",
-                       self.node_id, self.settings.run_id, reason)
+                fresh = False
+            else:
+                self._lost_reason = reason
+                self._lost_suspected = not confirmed
+                self._lost.set()
+                fresh = True
+        if fresh:
+            logger.warning("Node %s of run %s: %s; it will register again at its next round.",
+                           self.node_id, self.settings.run_id, reason)
         if confirmed and self._on_lost:
             self._on_lost(reason)
 
@@ -339,21 +345,39 @@ class Registration:
                 raise self._replaced_error()
         return False
 
+    def held(self, deadline: float) -> bool:
+        """Does this node still hold its registration? True if it was never lost, or lost only
+        on suspicion (its passes failed for the TTL) while Consul still holds its session: the
+        suspicion is then cleared. A joining node asks this before it gives up its member key:
+        rejoining on a suspicion alone would replace a session Consul never dropped, deleting
+        the key of a node that may already be sealed into the round."""
+        if not self._lost.is_set():
+            return True
+        session = self._session
+        return (session is not None and self._lost_suspected
+                and self._still_alive(session, deadline))
+
     def _still_alive(self, session: str, deadline: float) -> bool:
         """After a suspected loss (passes failed for the TTL: an overloaded or unreachable
         agent): if Consul still holds our session, its check never lapsed and nothing was lost.
-        Keep it: a new session would delete our keys and end the round for everyone."""
+        Keep it: a new session would delete our keys and end the round for everyone. If Consul
+        says the session is gone, the loss is confirmed."""
         try:
             alive = self.client.session_info(session, deadline=deadline) is not None
         except ConsulError:
             return False
-        if alive:
-            logger.info("Node %s of run %s: its session survived the heartbeat gap; it keeps "
-                        "its registration.", self.node_id, self.settings.run_id)
+        if not alive:
+            self.mark_lost(f"its Consul session {session} is gone")
+            return False
+        with self._lost_lock:
+            if not self._lost_suspected or self._session != session:
+                return False  # confirmed meanwhile (a 404 pass, a vanished key): no clearing
             self._lost_suspected = False
             self._lost_reason = ""
             self._lost.clear()
-        return alive
+        logger.info("Node %s of run %s: its session survived the heartbeat gap; it keeps "
+                    "its registration.", self.node_id, self.settings.run_id)
+        return True
 
     def _replaced_error(self) -> RendezvousStateError:
         return RendezvousStateError(

@@ -113,7 +113,15 @@ class RoundResult:
 
 
 class _Rejoin(Exception):
-    """Our session is gone: register again and restart the join (same deadline)."""
+    """Our session is gone: register again and restart the join (same deadline).
+
+    ``confirmed``: on Consul's word (the usual case); False when this node only suspects it
+    (its passes failed for the TTL and Consul could not be asked), so that ensure() asks again
+    before it replaces the session."""
+
+    def __init__(self, reason: str, *, confirmed: bool = True) -> None:
+        super().__init__(reason)
+        self.confirmed = confirmed
 
 
 class _LostLeadership(Exception):
@@ -211,7 +219,8 @@ class ConsulRendezvous:
                     result = self._join(deadline)
                     break
                 except _Rejoin as exc:
-                    self.registration.mark_lost(f"lost its Consul session ({exc})")
+                    self.registration.mark_lost(f"lost its Consul session ({exc})",
+                                                confirmed=exc.confirmed)
                     if time.monotonic() >= deadline:
                         raise RendezvousTimeoutError(
                             f"Node {self.node_id} of run {self.run_id} kept losing its Consul "
@@ -555,8 +564,9 @@ class ConsulRendezvous:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise self._timeout_error()
-            if self.registration.lost:
-                raise _Rejoin(self.registration.lost_reason)
+            if not self.registration.held(self._op_deadline(deadline)):
+                raise _Rejoin(self.registration.lost_reason,
+                              confirmed=self.registration.lost_confirmed)
             res = self._blocking_list(self.keys.round_dir, index,
                                       min(remaining, ROUND_WAIT, progress.wait()), deadline)
             index.update(res.index)
