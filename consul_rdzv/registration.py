@@ -350,22 +350,30 @@ class Registration:
         on suspicion (its passes failed for the TTL) while Consul still holds its session: the
         suspicion is then cleared. A joining node asks this before it gives up its member key:
         rejoining on a suspicion alone would replace a session Consul never dropped, deleting
-        the key of a node that may already be sealed into the round."""
+        the key of a node that may already be sealed into the round.
+
+        Raises :class:`ConsulError` if Consul could not be asked (the client's retries spent):
+        ensure() would fail on the same Consul, so the caller's error comes one retry window
+        sooner."""
         if not self._lost.is_set():
             return True
         session = self._session
         return (session is not None and self._lost_suspected
-                and self._still_alive(session, deadline))
+                and self._session_alive(session, deadline))
 
     def _still_alive(self, session: str, deadline: float) -> bool:
+        """:meth:`_session_alive`, False if Consul could not be asked."""
+        try:
+            return self._session_alive(session, deadline)
+        except ConsulError:
+            return False
+
+    def _session_alive(self, session: str, deadline: float) -> bool:
         """After a suspected loss (passes failed for the TTL: an overloaded or unreachable
         agent): if Consul still holds our session, its check never lapsed and nothing was lost.
         Keep it: a new session would delete our keys and end the round for everyone. If Consul
         says the session is gone, the loss is confirmed."""
-        try:
-            alive = self.client.session_info(session, deadline=deadline) is not None
-        except ConsulError:
-            return False
+        alive = self.client.session_info(session, deadline=deadline) is not None
         if not alive:
             self.mark_lost(f"its Consul session {session} is gone")
             return False
