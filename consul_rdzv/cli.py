@@ -449,12 +449,14 @@ def run_summary(run_id: str, entries: list[KVEntry], key_prefix: str, now: float
 
 
 def _node_row(rank: int | None, node: str, member: Member | None, inst: Instance | None,
-              fallback_host: str, state: str, now: float) -> dict[str, Any]:
+              fallback_host: str, state: str, now: float,
+              fallback_address: str = "") -> dict[str, Any]:
     # The trainer-store host the node advertises (torchrun's --local-addr), as the round's
-    # store shows it; else its service instance's Address (the same under torchrun).
+    # store shows it; else its service instance's Address (the same under torchrun); for a
+    # node already gone from Consul, what the sealed round recorded (rank 0: the store's host).
     endpoint = (member.endpoint or {}) if member else {}
-    address = (endpoint.get("host") or (inst.address if inst else "") or fallback_host
-               or (member.host if member else ""))
+    address = (endpoint.get("host") or (inst.address if inst else "") or fallback_address
+               or fallback_host or (member.host if member else ""))
     beat = inst.heartbeat_at if inst else None
     return {
         "rank": rank, "node": node, "address": address,
@@ -488,7 +490,9 @@ def status_doc(view: RunView) -> dict[str, Any]:
         else:
             st = "active"
         host = sealed.hosts[rank] if rank < len(sealed.hosts) else ""
-        rows.append(_node_row(rank, node, member, inst, host, st, now))
+        store_host = (str(sealed.store.get("host") or "")
+                      if rank == 0 and isinstance(sealed.store, dict) else "")
+        rows.append(_node_row(rank, node, member, inst, host, st, now, store_host))
     in_round = set(sealed.ranks) if sealed else set()
     waiting = sorted((m for n, m in state.members.items() if n not in in_round),
                      key=lambda m: (m.create_index, m.node))

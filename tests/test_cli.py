@@ -163,16 +163,25 @@ def test_list_and_status_of_a_running_run(agent, run, prefix):
 
 def test_status_shows_a_dead_node_as_critical_or_gone(agent, run, prefix):
     nodes = training(run, 2)
-    victim = nodes[1]
+    sealed = run.current_round()
+    victim = next(n for n in nodes if n.node_id == sealed.ranks[0])  # rank 0: hosts the store
     victim.halt()  # as if SIGKILLed: its check lapses after the TTL
 
-    def victim_state() -> str:
+    def victim_row() -> dict:
         doc = json.loads(cli("status", run.run_id, "--key-prefix", prefix, "--json").stdout)
-        return next(n["state"] for n in doc["nodes"] if n["node"] == victim.node_id)
+        return next(n for n in doc["nodes"] if n["node"] == victim.node_id)
 
-    wait_for(lambda: victim_state() == "gone", 20, "the killed node shown as gone")
+    wait_for(lambda: victim_row()["state"] == "gone", 20, "the killed node shown as gone")
     assert json.loads(cli("status", run.run_id, "--key-prefix", prefix,
                           "--json").stdout)["state"] == "re-forming"
+    # Once Consul has reaped its service instance too (done here at once, as the agent's
+    # DeregisterCriticalServiceAfter would), the gone rank 0 is still shown at the address it
+    # advertised, the round's trainer store, not at its host name.
+    run.admin.agent_service_deregister(victim.registration.service_id)
+    wait_for(lambda: victim_row()["health"] is None, 10, "the killed node's service reaped")
+    row = victim_row()
+    assert row["state"] == "gone" and row["rank"] == 0, row
+    assert row["address"] == sealed.store["host"] == f"{victim.node_id}.store.test", row
 
 
 def test_no_such_run_exits_1(agent, prefix):
