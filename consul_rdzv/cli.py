@@ -478,6 +478,9 @@ def status_doc(view: RunView) -> dict[str, Any]:
     state = view.state or RunState()
     current = state.round
     sealed = current if current and current.ranks else None
+    store = sealed.store if sealed else None
+    # rank 0 hosts the trainer store: the address it advertised, even once it is gone
+    store_host = str(store.get("host") or "") if isinstance(store, dict) else ""
     rows: list[dict[str, Any]] = []
     for rank, node in enumerate(sealed.ranks if sealed else []):
         member, inst = state.members.get(node), view.instances.get(node)
@@ -490,9 +493,8 @@ def status_doc(view: RunView) -> dict[str, Any]:
         else:
             st = "active"
         host = sealed.hosts[rank] if rank < len(sealed.hosts) else ""
-        store_host = (str(sealed.store.get("host") or "")
-                      if rank == 0 and isinstance(sealed.store, dict) else "")
-        rows.append(_node_row(rank, node, member, inst, host, st, now, store_host))
+        rows.append(_node_row(rank, node, member, inst, host, st, now,
+                              store_host if rank == 0 else ""))
     in_round = set(sealed.ranks) if sealed else set()
     waiting = sorted((m for n, m in state.members.items() if n not in in_round),
                      key=lambda m: (m.create_index, m.node))
@@ -506,7 +508,6 @@ def status_doc(view: RunView) -> dict[str, Any]:
         rows.append(_node_row(None, node, None, inst, "", st, now))
     lo, hi, minmax_from = _min_max(state)
     passing = sum(1 for i in view.instances.values() if i.status == "passing")
-    store = sealed.store if sealed else None
     closed = dict(current.closed) if current and current.closed else None
     if closed:
         with contextlib.suppress(TypeError, ValueError):
