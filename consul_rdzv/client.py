@@ -14,6 +14,7 @@ Design rules (see docs/consul.md, "Why our own client"):
 from __future__ import annotations
 
 import base64
+import enum
 import json
 import logging
 import os
@@ -81,33 +82,88 @@ class KVEntry:
 
 @dataclass(frozen=True)
 class QueryResult:
-    """What a (possibly blocking) read returned, with the ``X-Consul-Index`` to block on next."""
+    """What a (possibly blocking) read returned, with the ``X-Consul-Index`` to block on next.
+
+    ``known_leader`` and ``last_contact`` (seconds) are what the answering server knew of the
+    Raft leader (``X-Consul-KnownLeader``, ``X-Consul-LastContact``): a ``?stale`` answer from a
+    server cut off from the leader says so there.
+    """
 
     index: int
     data: Any
+    known_leader: bool = True
+    last_contact: float = 0.0
+
+
+class Step(enum.Enum):
+    """What one answer of a blocking query did to its index (see :class:`BlockingIndex`)."""
+
+    SAME = "same"  # not past the index we blocked on: nothing under the query changed
+    MOVED = "moved"  # past it: something under the query was written or deleted
+    RESET = "reset"  # below the last answer of this query: start over, compare data
 
 
 class BlockingIndex:
-    """Tracks the index of one blocking query by Consul's rules.
+    """The index of one blocking query, by Consul's rules ("Blocking Queries", implementation
+    details):
 
-    * never send an index below 1 (0 or a missing header means "do not block");
-    * when the returned index goes backwards (state reset, snapshot restore), start over from 0;
-    * a return is not a change: callers compare data, not the fact that the call came back.
+    * an answer is not a change: :attr:`Step.MOVED` only says that the index moved forward,
+      callers compare data to learn what changed;
+    * an answer below the previous answer of *this* query means the index went backwards (a
+      snapshot restore, tombstones reaped, a server with less state, an agent that lost its
+      state): the index resets to 0 (:attr:`Step.RESET`), the next query does not block, and
+      whatever the caller knew must be read again;
+    * once a query has answered, an index below 1 is sent as 1 (never a busy loop on 0);
+    * an index taken from another query is never compared with this one's answers, with one
+      exception the protocol relies on, ``borrowed``: a starting index whose Raft position is
+      known (e.g. the index of the member snapshot a round was sealed from). Raft indexes are
+      global, and an answer's index is the newest write (or delete) under the query's prefix,
+      so the first answer at or below a borrowed index means "nothing under this query was
+      written since", not "backwards"; from then on the query's own answers are the baseline.
     """
 
-    def __init__(self, index: int = 0) -> None:
-        self.index = index
+    def __init__(self, index: int = 0, *, borrowed: bool = False) -> None:
+        self.index = max(index, 0)
+        self._borrowed = borrowed and self.index > 0
+        #: The last answer of this query as Consul gave it (before the "at least 1" rule).
+        self._answer: int | None = self.index if self.index and not self._borrowed else None
+        #: How often the index went backwards (tests and logs).
+        self.resets = 0
 
-    def update(self, returned: int) -> bool:
-        """Record a returned index; return True when it went backwards (a reset)."""
-        if returned < self.index:
+    def update(self, returned: int) -> Step:
+        """Record an answer's index; what it means for the data the caller holds."""
+        returned = max(returned, 0)
+        if self._borrowed:
+            self._borrowed = False
+            step = Step.MOVED if returned > self.index else Step.SAME
+        elif self._answer is not None and returned < self._answer:
             self.index = 0
-            return True
-        self.index = max(returned, 0)
-        return False
+            self._answer = None
+            self.resets += 1
+            return Step.RESET
+        else:
+            step = Step.MOVED if returned > (self._answer or 0) else Step.SAME
+        self._answer = returned
+        self.index = max(returned, 1)
+        return step
+
+    def rebase(self, returned: int) -> None:
+        """Take a fresh read's index as the baseline (after a reset or a failure: the caller
+        read the data again, so nothing is compared)."""
+        self._borrowed = False
+        self._answer = max(returned, 0)
+        self.index = max(returned, 1)
+
+    def reset(self) -> None:
+        """Start over: the next query does not block (after a failed query)."""
+        self._borrowed = False
+        self._answer = None
+        self.index = 0
 
     @property
     def param(self) -> int | None:
+        """The ``?index=`` to send: None (do not block) only before the first answer or after a
+        reset."""
         return self.index if self.index >= 1 else None
 
 
@@ -254,19 +310,29 @@ _PERMANENT_500 = re.compile(
 )
 
 
+#: What Consul says of a session that does not exist, in its own words (the state store's
+#: ``invalid session "<id>"``, the renew endpoint's ``Session id '<id>' not found``), matched
+#: with the quoted id, so that ids in the request (a check or key named "invalid-session")
+#: never make another error look like a lost session.
+_SESSION_GONE = re.compile(
+    r"invalid session \"[^\"]*\"|Session id '[^']*' not found|session \"[^\"]*\" "
+    r"(?:does not exist|not found)",
+    re.IGNORECASE,
+)
+
+
 def _raise_for(resp: Response, what: str) -> None:
     """Map a Consul HTTP answer onto the ConsulError tree. The one place that does this."""
     status = resp.status_code
     if status < 400:
         return
     text = _body_text(resp)
-    lowered = text.lower()
     if status == 403:
         raise ConsulPermissionDenied(
             f"Consul denied {what}: {text or 'permission denied'}. {_acl_hint(text)}", status=status
         )
     if status == 404:
-        if "session" in lowered and ("not found" in lowered or "invalid" in lowered):
+        if _SESSION_GONE.search(text):
             raise ConsulSessionInvalid(f"{what}: {text}", status=status)
         raise ConsulNotFound(f"{what}: {text or 'not found'}", status=status)
     if status == 409 and what.startswith("PUT /v1/txn"):
@@ -282,7 +348,7 @@ def _raise_for(resp: Response, what: str) -> None:
         raise conflict
     if status >= 500 and _PERMANENT_500.search(text):
         raise ConsulBadRequest(f"Consul rejected {what} ({status}): {text}", status=status)
-    if "invalid session" in lowered or ("session" in lowered and "does not exist" in lowered):
+    if _SESSION_GONE.search(text):
         raise ConsulSessionInvalid(f"{what}: {text}", status=status)
     if status in (400, 405, 409, 413):
         raise ConsulBadRequest(f"Consul rejected {what} ({status}): {text}", status=status)
@@ -494,6 +560,16 @@ class ConsulClient:
         except ValueError:
             return 0
 
+    @classmethod
+    def _result(cls, resp: Response, data: Any) -> QueryResult:
+        """A read's data with its index and what the answering server knew of the leader."""
+        try:
+            contact = int(resp.headers.get("X-Consul-LastContact", "0")) / 1000
+        except ValueError:
+            contact = 0.0
+        leader = resp.headers.get("X-Consul-KnownLeader", "true").lower() != "false"
+        return QueryResult(cls._index(resp), data, known_leader=leader, last_contact=contact)
+
     def _blocking_params(self, index: int | None, wait: float | None) -> tuple[dict, float]:
         params: dict[str, Any] = {}
         read_timeout = self.timeout
@@ -524,9 +600,14 @@ class ConsulClient:
             params["passing"] = "true"
         resp = self._call("GET", f"/v1/health/service/{name}", params=params,
                           read_timeout=read_timeout, deadline=deadline)
-        return QueryResult(self._index(resp), resp.json())
+        return self._result(resp, resp.json())
 
     # ------------------------------------------------------------------ agent
+
+    def agent_members(self, *, deadline: float | None = None) -> list[dict]:
+        """The LAN members as this agent's own gossip sees them (answered by the agent alone:
+        it works while the agent is cut off from every server)."""
+        return self._call("GET", "/v1/agent/members", deadline=deadline).json()
 
     def agent_service_register(self, definition: dict, *, replace_existing_checks: bool = True,
                                deadline: float | None = None,
@@ -596,16 +677,19 @@ class ConsulClient:
     # ------------------------------------------------------------------ KV
 
     def kv_get(self, key: str, *, index: int | None = None, wait: float | None = None,
-               consistent: bool = False, deadline: float | None = None) -> QueryResult:
+               consistent: bool = False, stale: bool = False,
+               deadline: float | None = None) -> QueryResult:
         """One key. ``data`` is a :class:`KVEntry` or None when the key does not exist."""
         params, read_timeout = self._blocking_params(index, wait)
         if consistent:
             params["consistent"] = ""
+        if stale:
+            params["stale"] = ""
         resp = self._call("GET", f"/v1/kv/{key}", params=params, read_timeout=read_timeout,
                           deadline=deadline, ok_404=True)
         if resp.status_code == 404:
-            return QueryResult(self._index(resp), None)
-        return QueryResult(self._index(resp), KVEntry.from_json(resp.json()[0]))
+            return self._result(resp, None)
+        return self._result(resp, KVEntry.from_json(resp.json()[0]))
 
     def kv_list(self, prefix: str, *, index: int | None = None, wait: float | None = None,
                 consistent: bool = False, stale: bool = False,
@@ -622,8 +706,8 @@ class ConsulClient:
         resp = self._call("GET", f"/v1/kv/{prefix}", params=params, read_timeout=read_timeout,
                           deadline=deadline, ok_404=True)
         if resp.status_code == 404:
-            return QueryResult(self._index(resp), [])
-        return QueryResult(self._index(resp), [KVEntry.from_json(i) for i in resp.json()])
+            return self._result(resp, [])
+        return self._result(resp, [KVEntry.from_json(i) for i in resp.json()])
 
     def kv_keys(self, prefix: str, *, separator: str | None = None,
                 deadline: float | None = None) -> list[str]:
@@ -643,7 +727,7 @@ class ConsulClient:
             params["stale"] = ""
         resp = self._call("GET", f"/v1/kv/{prefix}", params=params, read_timeout=read_timeout,
                           deadline=deadline, ok_404=True)
-        return QueryResult(self._index(resp), [] if resp.status_code == 404 else resp.json())
+        return self._result(resp, [] if resp.status_code == 404 else resp.json())
 
     def kv_put(self, key: str, value: bytes, *, cas: int | None = None,
                acquire: str | None = None, release: str | None = None,

@@ -64,6 +64,13 @@ def _decode(entry: KVEntry, what: str) -> dict[str, Any]:
     return data
 
 
+def _list(data: dict[str, Any], name: str) -> list:
+    value = data.get(name) or []
+    if not isinstance(value, list):
+        raise ValueError(f"{name} {value!r} is not a list")
+    return value
+
+
 def _encode(obj: Any, *, skip: tuple[str, ...] = ()) -> bytes:
     """JSON with the format version; ``skip`` names fields read from the KV entry, not stored."""
     data = {k: v for k, v in asdict(obj).items() if k not in skip}
@@ -139,43 +146,59 @@ class Round:
     hosts: list[str] = field(default_factory=list)
     store: dict | None = None  # {"host": ..., "port": ...} of rank 0's trainer store
     members_index: int = 0  # X-Consul-Index of the member snapshot the round was sealed from
+    joined_index: int = 0  # the newest ModifyIndex among the participants' keys in that snapshot
     coordinator: str = ""
     seal_id: str = ""
     first_join: float = 0.0  # wall-clock figures for the benchmark
     quorum_at: float = 0.0
     sealed_at: float = 0.0
-    min_nodes: int = 0  # the sealing coordinator's settings, for operators
+    min_nodes: int = 0  # the sealing coordinator's settings: they decide the round's room
     max_nodes: int = 0
-    closed: dict | None = None  # {"reason": ..., "at": ..., "by": ...}
+    closed: dict | None = None  # {reason, at, by, outcome: "finished" / "failed" / "closed"}
     incarnations: list[str] = field(default_factory=list)  # the process of each rank
     modify_index: int = field(default=0, compare=False)
+    #: The session holding the key: a finished run's closed marker kept for a while
+    session: str | None = field(default=None, compare=False)
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
 
     def encode(self) -> bytes:
-        return _encode(self, skip=("modify_index",))
+        return _encode(self, skip=("modify_index", "session"))
 
     @classmethod
     def decode(cls, entry: KVEntry) -> Round:
         data = _decode(entry, "round")
         try:
-            ranks = [str(n) for n in data.get("ranks") or []]
+            ranks = [str(n) for n in _list(data, "ranks")]
             if len(set(ranks)) != len(ranks):
                 raise ValueError("a node appears twice in ranks")
+            hosts = [str(h) for h in _list(data, "hosts")]
+            incarnations = [str(i) for i in _list(data, "incarnations")]
+            for name, values in (("hosts", hosts), ("incarnations", incarnations)):
+                if values and len(values) != len(ranks):
+                    raise ValueError(f"{len(values)} {name} for {len(ranks)} ranks")
+            store = data.get("store")
+            if store is not None and not (
+                    isinstance(store, dict) and isinstance(store.get("host"), str)
+                    and isinstance(store.get("port"), int)):
+                raise ValueError(f"store {store!r} is not {{host, port}}")
+            closed = data.get("closed")
+            if closed is not None and not isinstance(closed, dict):
+                raise ValueError(f"closed {closed!r} is not an object")
             return cls(
-                round=int(data.get("round", 0)), ranks=ranks,
-                hosts=[str(h) for h in data.get("hosts") or []], store=data.get("store"),
+                round=int(data.get("round", 0)), ranks=ranks, hosts=hosts, store=store,
                 members_index=int(data.get("members_index", 0)),
-                incarnations=[str(i) for i in data.get("incarnations") or []],
+                joined_index=int(data.get("joined_index", 0)),
+                incarnations=incarnations,
                 coordinator=str(data.get("coordinator", "")), seal_id=str(data.get("seal_id", "")),
                 first_join=float(data.get("first_join", 0.0)),
                 quorum_at=float(data.get("quorum_at", 0.0)),
                 sealed_at=float(data.get("sealed_at", 0.0)),
                 min_nodes=int(data.get("min_nodes", 0)), max_nodes=int(data.get("max_nodes", 0)),
-                closed=data.get("closed"),
-                modify_index=entry.modify_index,
+                closed=closed,
+                modify_index=entry.modify_index, session=entry.session,
             )
         except (TypeError, ValueError) as exc:
             raise RendezvousStateError(

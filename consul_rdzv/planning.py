@@ -115,13 +115,16 @@ def round_broken(members: Mapping[str, MemberView], participants: list[str],
 
 
 def count_waiting(members: Mapping[str, MemberView], participants: list[str],
-                  members_index: int, settings: RendezvousSettings) -> int:
+                  members_index: int, settings: RendezvousSettings, *,
+                  max_nodes: int | None = None) -> int:
     """``num_nodes_waiting`` of a participant, from one view of the member keys.
 
     Participants that are gone or ask for a new round always count (survivors must re-rendezvous
     now rather than hang in a collective). Other waiting nodes count only while the round has
     room for them, as in torch's c10d backend, and with explicit ranks only when their rank can
     be placed (no gap below it), so a node that cannot join a new round never restarts the job.
+    ``max_nodes`` is the round's (what its coordinator sealed it with; default the settings'):
+    nodes started with different ``--nnodes`` ranges agree on the room a round has.
     """
     broken = round_broken(members, participants, members_index)
     active = [n for n in participants if n not in broken]
@@ -132,7 +135,7 @@ def count_waiting(members: Mapping[str, MemberView], participants: list[str],
         placeable = len(explicit_prefix(sorted(r for r in asked if r is not None)))
         newcomers = [n for n in newcomers if members[n].rank is not None
                      and members[n].rank < placeable and members[n].rank not in taken]
-    room = len(active) < settings.max_nodes
+    room = len(active) < (max_nodes or settings.max_nodes)
     return len(broken) + (len(newcomers) if room else 0)
 
 

@@ -145,6 +145,10 @@ class Registration:
         self._lost_lock = threading.Lock()
         #: Held while ensure() registers: no look at the agents may run meanwhile.
         self._ensure_lock = threading.Lock()
+        #: Held around every service registration and around close()'s decision to leave:
+        #: no registration may land after the deregistration (it would bring the service
+        #: back, with a passing check nobody passes, until Consul reaps it a minute later).
+        self._register_lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -278,7 +282,11 @@ class Registration:
             checked = True
         self._meta, self._note, self._port = {"state": "joining"}, "joining", None
         if old is None or not self._check_still_registered(deadline, checked=checked):
-            self.client.agent_service_register(self.definition(), deadline=deadline)
+            with self._register_lock:
+                if self._closed:
+                    raise RendezvousStateError(f"Node {self.node_id} has left run "
+                                               f"{self.settings.run_id}.")
+                self.client.agent_service_register(self.definition(), deadline=deadline)
             self._published = self._shown()
             self._last_pass = time.monotonic()  # registered passing
         if not self._threads:
@@ -582,7 +590,8 @@ class Registration:
 
         Returns False if a step failed (logged).
         """
-        self._closed = True
+        with self._register_lock:  # a publish in flight ends first
+            self._closed = True
         self._stop.set()
         self._wake.set()
         session, self._session = self._session, None
@@ -590,9 +599,13 @@ class Registration:
             return True
         self._threads = []
         ok = True
-        steps = [("deregister its service",
-                  lambda: self.client.agent_service_deregister(self.service_id,
-                                                               deadline=deadline))]
+        steps = []
+        # Only our own registration: a newer process with our node id may have registered the
+        # service since (a replaced process that comes back must not take it away from it).
+        if self._replaced_by is None and self._holds_us(self.client) is not False:
+            steps.append(("deregister its service",
+                          lambda: self.client.agent_service_deregister(self.service_id,
+                                                                       deadline=deadline)))
         if session is not None:
             steps.append(("destroy its session",
                           lambda: self.client.session_destroy(session, deadline=deadline)))
@@ -711,13 +724,20 @@ class Registration:
 
     def _publish_now(self) -> None:
         shown = self._shown()
-        # Never while lost: if a newer process took our node id, re-registering our service
-        # would remove its check and invalidate its session.
-        if shown == self._published or self._session is None or self._lost.is_set():
+        # Never while lost, nor after a silence (a process frozen, then thawed): if a newer
+        # process took our node id, re-registering our service would remove its check and
+        # invalidate its session.
+        if (shown == self._published or self._session is None or self._lost.is_set()
+                or self.seconds_since_pass > self.settings.heartbeat_timeout):
             return
-        try:
-            self.client.agent_service_register(
-                self.definition(), deadline=time.monotonic() + self.settings.heartbeat_interval)
-            self._published = shown
-        except ConsulError as exc:
-            logger.debug("Node %s could not publish its service meta: %s", self.node_id, exc)
+        with self._register_lock:
+            if self._closed:
+                return
+            try:
+                self.client.agent_service_register(
+                    self.definition(),
+                    deadline=time.monotonic() + self.settings.heartbeat_interval)
+                self._published = shown
+            except ConsulError as exc:
+                logger.debug("Node %s could not publish its service meta: %s", self.node_id,
+                             exc)

@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .client import BlockingIndex, ConsulClient, QueryResult, txn_kv
+from .client import MAX_TXN_OPS, BlockingIndex, ConsulClient, QueryResult, txn_kv
 from .errors import (
     ConsulBadRequest,
     ConsulError,
@@ -54,19 +54,17 @@ from .errors import (
 from .layout import Keys, Leader, Member, Round, RunState
 from .planning import (
     MAX_TXN_BYTES,
-    MemberView,
     active_participants,
-    count_waiting,
     explicit_gap,
     json_len,
     largest_world,
     plan_round,
-    round_broken,
     round_bytes,
 )
 from .ranks import Candidate
 from .registration import Incarnation, Registration
 from .settings import RendezvousSettings
+from .watch import RoundWatch, WatchedRound
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +81,12 @@ META_DELAY = 0.5
 #: sharing one agent must not all re-register at once, or their heartbeats starve.
 META_SPREAD = 0.02
 META_SPREAD_MAX = 30.0
-#: Longest blocking query of the training-time membership watch.
-WATCH_WAIT = 300.0
+#: How a run was closed (the ``outcome`` of its closed marker): its job finished (a node's work
+#: succeeded), failed (a node's workers failed past --max-restarts), or closed otherwise
+#: (``close()``, ``set_closed()``, an operator).
+OUTCOME_FINISHED = "finished"
+OUTCOME_FAILED = "failed"
+OUTCOME_CLOSED = "closed"
 #: A waiting node logs its progress (INFO) this often.
 PROGRESS_EVERY = 15.0
 
@@ -108,6 +110,10 @@ class RoundResult:
     coordinator: str
     seal_id: str
     members_index: int
+    joined_index: int = 0
+    round_index: int = 0  # the round key's ModifyIndex as sealed
+    min_nodes: int = 0  # the round's, as its coordinator sealed it
+    max_nodes: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     requests: int = 0
 
@@ -158,7 +164,6 @@ class ConsulRendezvous:
                                          address=address, on_lost=self._on_lost)
         self._endpoint_provider = endpoint_provider
         self._lock = threading.Lock()
-        self._generation = 0
         self._round: RoundResult | None = None
         self._last_round_no = 0
         self._waiting = 0
@@ -167,6 +172,11 @@ class ConsulRendezvous:
         self._broken_listeners: set[threading.Event] = set()
         self._closed_alive: list[str] = []  # nodes of the job that closed the run, still alive
         self._left = False
+        #: The current round's watch (None while joining, after leave()).
+        self._watch: RoundWatch | None = None
+        #: The run was closed as finished in the current round: nothing more can end it.
+        self._finished: dict | None = None
+        self._warned_settings: tuple[int, int] | None = None
 
     def __repr__(self) -> str:
         return f"ConsulRendezvous(run={self.settings.run_id!r}, node={self.node_id!r})"
@@ -203,8 +213,9 @@ class ConsulRendezvous:
             raise RendezvousStateError(f"Node {self.node_id} has left run {self.run_id}; "
                                        "create a new ConsulRendezvous to join again.")
         with self._lock:
-            self._generation += 1  # ends the training watch of the previous round
+            self._stop_watch()  # the previous round's
             self._waiting = 0
+            self._finished = None
             self._broken.clear()
         # Probe the session only once the node has waited a while: a quick round needs no
         # probe, and a lost session usually shows up as a lapsed check anyway.
@@ -226,9 +237,10 @@ class ConsulRendezvous:
                             f"Node {self.node_id} of run {self.run_id} kept losing its Consul "
                             f"session until join_timeout ({self.settings.join_timeout:g}s)."
                         ) from exc
-        except (RendezvousTimeoutError, RendezvousStateError):
-            # We stop waiting: no coordinator may count us in, and a coordinator role we hold
-            # would leave the others without one while our session lives on.
+        except (RendezvousTimeoutError, RendezvousStateError, RendezvousClosedError):
+            # We stop waiting (a timeout, a refusal, a closed run, a drain): no coordinator may
+            # count us in, and a coordinator role we hold would leave the others without one
+            # while our session lives on (a re-run under the same id would have none).
             self._drop_member(leader=True)
             raise
         except ConsulPermissionDenied as exc:
@@ -250,6 +262,7 @@ class ConsulRendezvous:
             raise RendezvousConnectionError(
                 f"Consul call failed for node {self.node_id} of run {self.run_id}: {exc}"
             ) from exc
+        self._check_round_settings(result)
         result.timings.update(join_started=started, released=time.time())
         result.requests = self.client.requests_sent_by_this_thread - requests_before
         self._round = result
@@ -273,6 +286,21 @@ class ConsulRendezvous:
                     result.requests)
         return result
 
+    def _check_round_settings(self, result: RoundResult) -> None:
+        """Nodes of one run started with different ``--nnodes`` ranges: the coordinator's
+        settings shape the rounds (and the room the training watch counts); say so, once."""
+        sealed = (result.min_nodes, result.max_nodes)
+        mine = (self.settings.min_nodes, self.settings.max_nodes)
+        if not result.max_nodes or sealed == mine or sealed == self._warned_settings:
+            return
+        self._warned_settings = sealed
+        logger.warning(
+            "Node %s of run %s runs with min_nodes=%d, max_nodes=%d (--nnodes %d:%d), but round "
+            "%d was sealed by coordinator %s with min_nodes=%d, max_nodes=%d: the coordinator's "
+            "settings decide the rounds. Start every node of a run with the same --nnodes.",
+            self.node_id, self.run_id, mine[0], mine[1], mine[0], mine[1], result.round,
+            result.coordinator, sealed[0], sealed[1])
+
     def register(self, timeout: float | None = None) -> None:
         """Register this node's service, check and session now (``next_round()`` does it too).
 
@@ -288,7 +316,13 @@ class ConsulRendezvous:
             raise self._connection_error("register its service and session", exc) from exc
 
     def num_nodes_waiting(self) -> int:
-        """See module docstring: a local read, no Consul request."""
+        """See module docstring: a local read, no Consul request.
+
+        0 once the run was closed as finished in this node's round (another node's workers
+        succeeded and it left): this node's workers finish their work, nothing restarts them.
+        """
+        if self._finished is not None:
+            return 0
         if self.registration.lost:
             return max(self._waiting, 1)
         return self._waiting
@@ -327,15 +361,22 @@ class ConsulRendezvous:
     def close(self, reason: str = "closed", *, timeout: float | None = None) -> None:
         """Mark the run closed: every waiting and future joiner gets RendezvousClosedError,
         until every node of this job is gone (then the run id can be used again)."""
-        self._close(reason, None, timeout)
+        self._close(reason, None, timeout, OUTCOME_CLOSED)
 
     def close_if_current(self, result: RoundResult, reason: str, *,
-                         timeout: float | None = None) -> bool:
+                         outcome: str = OUTCOME_CLOSED, timeout: float | None = None) -> bool:
         """Close the run only if ``result`` is still its current round (this node's job has
-        not moved on without it). True if the run is closed now."""
-        return self._close(reason, result.seal_id, timeout)
+        not moved on without it). True if the run is closed now.
 
-    def _close(self, reason: str, seal_id: str | None, timeout: float | None) -> bool:
+        ``outcome`` :data:`OUTCOME_FINISHED` (this node's work succeeded: the job is done) lets
+        the other members of the round finish theirs: their watch takes this node's departure
+        for the job's end, not a death (:mod:`consul_rdzv.watch`). Any other outcome ends the
+        round for everyone, as a departure does.
+        """
+        return self._close(reason, result.seal_id, timeout, outcome)
+
+    def _close(self, reason: str, seal_id: str | None, timeout: float | None,
+               outcome: str) -> bool:
         budget = timeout or self.settings.close_timeout
         deadline = time.monotonic() + budget
         try:
@@ -349,7 +390,8 @@ class ConsulRendezvous:
                                 "current one (round %d is).", self.node_id, self.run_id,
                                 current.round)
                     return False
-                current.closed = {"reason": reason, "at": time.time(), "by": self.node_id}
+                current.closed = {"reason": reason, "at": time.time(), "by": self.node_id,
+                                  "outcome": outcome}
                 cas = res.data.modify_index if res.data else 0
                 if self.client.kv_put(self.keys.round, current.encode(), cas=cas,
                                       deadline=deadline):
@@ -366,13 +408,14 @@ class ConsulRendezvous:
     def leave(self, *, timeout: float | None = None) -> bool:
         """Leave cleanly: release keys, deregister the service, destroy the session.
 
-        Never closes the run. If the run is closed and this node was its last member, the closed
-        marker goes too (closed runs do not pile up). Returns False if some step failed
-        (logged); idempotent. ``timeout`` bounds it (default ``close_timeout``).
+        Never closes the run. If this node was the run's last member, what the run left in Consul
+        goes too (:meth:`_clean_up_run`): a run that ended leaves nothing behind. Returns False
+        if some step failed (logged); idempotent. ``timeout`` bounds it (default
+        ``close_timeout``).
         """
         with self._lock:
             already, self._left = self._left, True
-            self._generation += 1
+            self._stop_watch()
         if already:
             return True
         deadline = time.monotonic() + (timeout or self.settings.close_timeout)
@@ -391,7 +434,7 @@ class ConsulRendezvous:
                                    self.node_id, key, self.run_id, exc)
             if ok:
                 with contextlib.suppress(ConsulError, RendezvousStateError):
-                    self._forget_closed_run(deadline)
+                    self._clean_up_run(deadline)
         ok = self.registration.close(deadline) and ok
         logger.info("Node %s left run %s.", self.node_id, self.run_id)
         return ok
@@ -402,7 +445,7 @@ class ConsulRendezvous:
         with this). The node cannot be used afterwards."""
         with self._lock:
             self._left = True
-            self._generation += 1  # the training watch ends after its current query
+            self._stop_watch()  # it ends after its current query
         self.registration.halt()
 
     # ------------------------------------------------------------------ helpers
@@ -422,12 +465,16 @@ class ConsulRendezvous:
         late in the wait would then fail at once, without a single retry. After a failure,
         Consul may come back without our session and with lower indexes (state lost): the
         retries do not block (a query at our old index would sit out its whole wait), and our
-        session is checked before we wait on.
+        session is checked before we wait on. ``index`` is updated here (its answer moved,
+        stayed or went backwards; callers decide from the data, never from the index).
         """
         with contextlib.suppress(ConsulUnavailableError):
-            return self.client.kv_list(prefix, index=index.param, wait=wait,
-                                       deadline=time.monotonic())  # one attempt, no retries
+            res = self.client.kv_list(prefix, index=index.param, wait=wait,
+                                      deadline=time.monotonic())  # one attempt, no retries
+            index.update(res.index)
+            return res
         res = self.client.kv_list(prefix, deadline=self._op_deadline(deadline))
+        index.rebase(res.index)
         session = self.registration.session
         if session and self.client.session_info(
                 session, deadline=self._op_deadline(deadline)) is None:
@@ -467,16 +514,32 @@ class ConsulRendezvous:
         A key held by an earlier process of ours (same node id and host: a restart) is taken
         over; a key held by a newer one means we were replaced; by a node on another host, that
         the node id is used twice.
+
+        A node that trained in a round rewrites its key only if that round's key is unchanged
+        (``check-index``): a rewrite asks every member for a new round, and a run closed since
+        (its job finished on another node) must not be asked. If the round key changed, it is
+        read: closed, this node's job is over (RendezvousClosedError, its key untouched); a
+        newer round, the node announces itself without the guard.
         """
         session = self.registration.session
         key = self.keys.member(self.node_id)
-        for _ in range(3):
+        guard = self._round.round_index if self._round is not None else 0
+        for _ in range(4):
             ops = [txn_kv("lock", key, value=self._member().encode(), session=session),
                    txn_kv("get-tree", self.keys.round_dir),
                    txn_kv("get-tree", self.keys.drain(self.node_id))]
+            if guard:
+                ops.append(txn_kv("check-index", self.keys.round, index=guard))
             try:
                 res = self.client.txn(ops, deadline=self._op_deadline(deadline))
             except ConsulTxnConflict as exc:
+                if guard and any(e.op_index == 3 for e in exc.errors):
+                    guard = 0
+                    current = self.client.kv_get(self.keys.round,
+                                                 deadline=self._op_deadline(deadline)).data
+                    if current is not None and Round.decode(current).closed:
+                        raise self._closed_error(Round.decode(current)) from None
+                    continue
                 holder = self.client.kv_get(key, deadline=self._op_deadline(deadline)).data
                 if holder is None or not holder.session or holder.session == session:
                     raise _Rejoin(f"could not lock {key}: {exc}") from exc
@@ -484,18 +547,33 @@ class ConsulRendezvous:
                 continue
             except ConsulSessionInvalid as exc:
                 raise _Rejoin(str(exc)) from exc
-            entries = [e for e in res.data[1:] if e is not None]
+            # results: the lock's, one per entry of the two trees, the check-index's (no value)
+            entries = [e for e in res.data[1:len(res.data) - (1 if guard else 0)]
+                       if e is not None]
             state = RunState.parse(self.keys, entries)
             self._check_drained(state, deadline)
             return res.data[0].modify_index, state
         raise _Rejoin(f"could not lock {key} after taking it over")
 
     def _check_drained(self, state: RunState, deadline: float) -> None:
-        """An operator drained this process (``consul-rdzv drain``): leave for good."""
+        """An operator drained this process (``consul-rdzv drain``): leave for good.
+
+        A request that names another process of this node id is stale: we hold the node id
+        now (our member key is locked), so that process died or was replaced before it saw the
+        request. It is removed, not left behind.
+        """
         drain = state.drains.get(self.node_id)
-        if drain is None or drain.incarnation not in ("", self.incarnation.id):
+        if drain is None:
             return
-        self._drop_member()
+        if drain.incarnation not in ("", self.incarnation.id):
+            with contextlib.suppress(ConsulError):
+                self.client.txn([txn_kv("delete-cas", self.keys.drain(self.node_id),
+                                        index=drain.modify_index)],
+                                deadline=self._op_deadline(deadline))
+                logger.info("Node %s of run %s removed a drain request for an earlier process "
+                            "of its node id (incarnation %s), which is gone.", self.node_id,
+                            self.run_id, drain.incarnation[:8])
+            return
         with contextlib.suppress(ConsulError):
             self.client.txn([txn_kv("delete-cas", self.keys.drain(self.node_id),
                                     index=drain.modify_index)],
@@ -528,17 +606,18 @@ class ConsulRendezvous:
 
     def _join(self, deadline: float) -> RoundResult:
         self._closed_alive = []
-        while True:
-            my_index, state = self._write_member(deadline)
-            current = state.round
-            if not (current and current.closed):
-                break
-            if not self._reopen(current, deadline):
-                self._drop_member()
-                raise self._closed_error(current)
+        my_index, state = self._write_member(deadline)
+        while state.round and state.round.closed:
+            self._reopen(state.round, deadline)
+            # Read the round again, without announcing again: a second write of our key would
+            # be taken for a request of a new round by a coordinator that sealed us in already.
+            state = RunState.parse(self.keys, self.client.kv_list(
+                self.keys.round_dir, deadline=self._op_deadline(deadline)).data)
         if self.settings.rank_policy == "explicit":
             self._check_explicit_rank(deadline)
-        index = BlockingIndex(my_index)
+        # Our member write's index, borrowed: an answer of P/round/ at or below it means that
+        # nothing was sealed, closed or elected since (see BlockingIndex).
+        index = BlockingIndex(my_index, borrowed=True)
         progress = _Progress(self, deadline)
         while True:
             session = self.registration.session
@@ -569,11 +648,9 @@ class ConsulRendezvous:
                               confirmed=self.registration.lost_confirmed)
             res = self._blocking_list(self.keys.round_dir, index,
                                       min(remaining, ROUND_WAIT, progress.wait()), deadline)
-            index.update(res.index)
             state = RunState.parse(self.keys, res.data)
             current = state.round
             if current and current.closed:
-                self._drop_member()
                 raise self._closed_error(current)
             if self._meant_for_me(current, my_index):
                 return self._result(current)
@@ -589,53 +666,126 @@ class ConsulRendezvous:
             return current.incarnations[current.ranks.index(self.node_id)] == self.incarnation.id
         return True
 
-    def _reopen(self, closed: Round, deadline: float) -> bool:
-        """The run is closed: if no node of the job that closed it is left, open it again.
+    def _reopen(self, closed: Round, deadline: float) -> None:
+        """The run is closed: start a new job on it, or refuse (RendezvousClosedError).
 
-        This node belongs to the closed job if it was ever in one of its rounds; the other
-        nodes of that job are the members whose keys were written before the close (ours and
-        other newcomers' were written after it). True if the run was (or is being) reopened,
-        so the caller announces itself again; False if the closed job still lives.
+        * A node of the job that ended refuses: it was in one of its rounds, or its process
+          started before the run was closed (a straggler of that job, launched with it but
+          late: it must not run the job again on its own).
+        * A process started after the close is a new job on the same run id (a re-run). It
+          waits, within its join deadline, until no node of the job that ended is left (the
+          members whose keys were written before the close: some may still finish their work),
+          then removes the closed marker (``delete-cas``) and returns: the caller announces
+          itself again, rounds count from 1.
         """
+        info = closed.closed or {}
+        closed_at = _float(info.get("at"))
         if self._round is not None:
-            return False  # we are a node of the job that ended
-        entries = self.client.kv_list(self.keys.members,
-                                      deadline=self._op_deadline(deadline)).data
-        old = sorted(e.key[len(self.keys.members):] for e in entries
-                     if e.modify_index < closed.modify_index)
-        if old:
+            raise self._closed_error(closed)  # we are a node of the job that ended
+        if closed_at and self.incarnation.started < closed_at:
+            raise RendezvousClosedError(
+                f"Run {self.run_id} was closed by {info.get('by', '?')} "
+                f"({info.get('reason', '')}) at {_utc(closed_at)}, after this process started "
+                f"(at {_utc(self.incarnation.started)}): node {self.node_id} belongs to the job "
+                "that ended and does not start it again on its own. To run the job again, "
+                "start its nodes anew, or use a new run id."
+            )
+        index = BlockingIndex()
+        progress = _Progress(self, deadline)
+        while True:
+            res = self._blocking_list(self.keys.members, index,
+                                      min(ROUND_WAIT, progress.wait()), deadline)
+            old = sorted(e.key[len(self.keys.members):] for e in res.data
+                         if e.modify_index < closed.modify_index)
+            if not old:
+                break
             self._closed_alive = old
-            return False
+            if time.monotonic() >= deadline:
+                raise self._closed_error(closed)
+            progress.maybe_log(RunState(), f"run closed by {info.get('by', '?')}: waiting for "
+                               f"{len(old)} node(s) of the job that ended to leave "
+                               f"({', '.join(old[:8])})")
+        self._closed_alive = []
         try:
             self.client.txn([txn_kv("delete-cas", self.keys.round, index=closed.modify_index)],
                             deadline=self._op_deadline(deadline))
         except ConsulTxnConflict:
-            return True  # someone else reopened it (or closed it again): read it again
-        info = closed.closed or {}
+            return  # someone else reopened it (or closed it again): read it again
+        if closed.session:  # the session that kept the marker of a finished run: not needed
+            with contextlib.suppress(ConsulError):
+                self.client.session_destroy(closed.session, deadline=self._op_deadline(deadline))
         logger.info("Run %s was closed by %s (%s) and no node of that job is left: node %s "
                     "opens it again for a new job.", self.run_id, info.get("by", "?"),
                     info.get("reason", ""), self.node_id)
-        return True
 
-    def _forget_closed_run(self, deadline: float) -> None:
-        """Leaving a closed run as its last member: remove the closed marker."""
-        res = self.client.kv_get(self.keys.round, deadline=deadline)
-        if res.data is None or not Round.decode(res.data).closed:
-            return
+    def _clean_up_run(self, deadline: float) -> None:
+        """Leaving as the run's last member: remove what the run left in Consul.
+
+        Drain requests (for processes that are gone) and the round key are deleted, each at
+        the index read (``delete-cas``), so a node that joins meanwhile at worst finds no round
+        and starts from round 1. A *closed* run's marker is kept instead, shrunk to the closed
+        record, for ``closed_retention``: it is locked by a session of that TTL (no checks), so
+        Consul deletes it by itself one to two TTLs later, and until then a straggler of the
+        job that ended is refused (:meth:`_reopen`). Member and leader keys go with their
+        sessions; keys that are not consul-rdzv's are left alone.
+        """
         if self.client.kv_keys(self.keys.members, deadline=deadline):
             return
-        with contextlib.suppress(ConsulTxnConflict):
-            self.client.txn([txn_kv("delete-cas", self.keys.round, index=res.data.modify_index)],
-                            deadline=deadline)
-            logger.debug("Node %s removed the closed marker of run %s as its last member.",
-                         self.node_id, self.run_id)
+        res = self.client.kv_list(self.keys.prefix + "/", deadline=deadline)
+        ops: list[dict] = []  # the round's first: they must share one transaction
+        drains: list[dict] = []
+        retained: Round | None = None
+        for entry in res.data:
+            if entry.key.startswith(self.keys.members) and not entry.key.endswith("/"):
+                return  # a node joined meanwhile
+            if entry.key == self.keys.leader and entry.session:
+                return  # a coordinator is at work
+            if entry.key.startswith(self.keys.drains) and not entry.key.endswith("/"):
+                drains.append(txn_kv("delete-cas", entry.key, index=entry.modify_index))
+            elif entry.key == self.keys.round:
+                current = Round.decode(entry)
+                if current.closed and entry.session:
+                    continue  # kept already (a node that left before us)
+                if current.closed and self.settings.closed_retention:
+                    retained = Round(round=current.round, seal_id=current.seal_id,
+                                     closed=current.closed)
+                    ops.append(txn_kv("check-index", entry.key, index=entry.modify_index))
+                else:
+                    ops.append(txn_kv("delete-cas", entry.key, index=entry.modify_index))
+        session = None
+        if retained is not None:
+            session = self.client.session_create(
+                name=f"consul-rdzv {self.run_id} ended"[:128], node_checks=[],
+                behavior="delete", lock_delay="0s",
+                ttl=f"{self.settings.closed_retention:.0f}s", deadline=deadline)
+            ops.append(txn_kv("lock", self.keys.round, value=retained.encode(),
+                              session=session))
+        ops += drains
+        try:
+            for chunk in range(0, len(ops), MAX_TXN_OPS):
+                with contextlib.suppress(ConsulTxnConflict):
+                    self.client.txn(ops[chunk:chunk + MAX_TXN_OPS], deadline=deadline)
+        finally:
+            if session is not None and not self._holds(self.keys.round, session, deadline):
+                with contextlib.suppress(ConsulError):
+                    self.client.session_destroy(session, deadline=deadline)
+        if ops:
+            logger.debug("Node %s removed what run %s left in Consul as its last member%s.",
+                         self.node_id, self.run_id,
+                         f" (its closed marker stays for {self.settings.closed_retention:g}s)"
+                         if retained is not None else "")
+
+    def _holds(self, key: str, session: str, deadline: float) -> bool:
+        with contextlib.suppress(ConsulError):
+            entry = self.client.kv_get(key, deadline=deadline).data
+            return entry is not None and entry.session == session
+        return False
 
     def _check_explicit_rank(self, deadline: float) -> None:
         res = self.client.kv_list(self.keys.members, deadline=self._op_deadline(deadline))
         for entry in res.data:
             m = Member.decode(entry)
             if m.node != self.node_id and m.rank == self.settings.node_rank:
-                self._drop_member()
                 raise RendezvousStateError(
                     f"Nodes {m.node} and {self.node_id} both ask for rank {m.rank} in run "
                     f"{self.run_id} (rank_policy explicit): give every node a distinct node_rank."
@@ -651,7 +801,6 @@ class ConsulRendezvous:
             res = self._blocking_list(self.keys.prefix + "/", index,
                                       self._coordinator_wait(deadline, quorum_since, progress),
                                       deadline)
-            index.update(res.index)
             state = RunState.parse(self.keys, res.data)
             if state.leader_session != self.registration.session:
                 raise _LostLeadership("the leader key is held by another session or none")
@@ -659,7 +808,6 @@ class ConsulRendezvous:
             if me is None or me.modify_index < my_index:
                 raise _Rejoin("our member key disappeared")
             if state.round and state.round.closed:
-                self._drop_member()
                 raise self._closed_error(state.round)
             if self._meant_for_me(state.round, my_index):
                 return self._result(state.round)  # our own seal, whose answer was lost
@@ -696,7 +844,9 @@ class ConsulRendezvous:
         rank0 = state.members[order[0]]
         sealed = Round(
             round=number, ranks=order, hosts=[state.members[n].host for n in order],
-            store=rank0.endpoint, members_index=snapshot_index, coordinator=self.node_id,
+            store=rank0.endpoint, members_index=snapshot_index,
+            joined_index=max(state.members[n].modify_index for n in order),
+            coordinator=self.node_id,
             incarnations=[state.members[n].incarnation for n in order],
             seal_id=uuid.uuid4().hex, first_join=first_seen, quorum_at=quorum_at,
             sealed_at=time.time(), min_nodes=self.settings.min_nodes,
@@ -723,6 +873,9 @@ class ConsulRendezvous:
             world_size=current.world_size, participants=list(current.ranks),
             hosts=list(current.hosts), store=current.store, coordinator=current.coordinator,
             seal_id=current.seal_id, members_index=current.members_index,
+            joined_index=current.joined_index, round_index=current.modify_index,
+            min_nodes=current.min_nodes,
+            max_nodes=current.max_nodes,
             timings={"first_join": current.first_join, "quorum": current.quorum_at,
                      "sealed": current.sealed_at},
         )
@@ -779,114 +932,68 @@ class ConsulRendezvous:
     def _start_watch(self, result: RoundResult) -> None:
         # The watch sees our member key vanish with our session: no need to probe it too.
         self.registration.probe_session_from(None)
-        thread = threading.Thread(target=self._watch_loop, args=(result, self._generation),
-                                  name=f"consul-rdzv-watch-{self.node_id}", daemon=True)
-        thread.start()
-
-    def _watch_loop(self, result: RoundResult, generation: int) -> None:
-        """Keeps ``num_nodes_waiting()`` current while the round runs; ends when it breaks.
-
-        Blocks on the member key *names* (``?keys``, ``?stale``: any server may answer, so a
-        leader that is cut off or electing does not stall it), and reads the values (for their
-        ModifyIndex) only when the names cannot tell: a key was added, or rewritten while keys
-        of non-participants exist, or the watch starts over after a failed query. When keys only
-        vanished (a death: at scale every survivor wakes at once) or a participant's key was
-        rewritten (it asks for a new round) the names are enough; a full read of a 1024-node run
-        is ~430 KB and ~9 ms of client CPU per watcher, the names ~24 KB and 0.3 ms. Once the
-        round is broken the watch ends: this node will join the next round anyway, and reading
-        on would cost every node a request per re-announcement (O(W^2) in a mass re-announce).
-        """
-        prefix = self.keys.members
-        participants = set(result.participants)
-        index = BlockingIndex(result.members_index)
-        # node id -> what we know of its member key. The participants were members at the seal,
-        # written at or before its members_index.
-        known: dict[str, MemberView] = {n: MemberView(0) for n in result.participants}
-        failures = 0
-        while self._generation == generation:
-            try:
-                # After a failure the index was reset: the next answer's index says nothing
-                # about what changed (a leader election is not a participant's rewrite).
-                reread = index.index == 0
-                res = self.client.kv_keys_query(prefix, index=index.param, wait=WATCH_WAIT,
-                                                stale=True,
-                                                deadline=time.monotonic())  # retried below
-                names = {k[len(prefix):] for k in res.data}
-                moved = res.index != index.index
-                index.update(res.index)
-                rewrite = (not reread and names == known.keys() and moved
-                           and names <= participants)
-                if names < known.keys() and not reread:
-                    known = {n: known[n] for n in names}
-                elif rewrite:
-                    # Same names, all participants, a key rewritten: a participant asks for a
-                    # new round. Which one matters to nobody: the round is over.
-                    self._end_watch(result, generation, "a participant asks for a new round")
-                    return
-                elif reread or names != known.keys() or moved:
-                    full = self.client.kv_list(prefix, stale=True, deadline=time.monotonic())
-                    index.update(full.index)
-                    known = {e.key[len(prefix):]: _view(e) for e in full.data}
-                failures = 0
-            except ConsulError as exc:
-                # After a failure, read without blocking: Consul may be back with lower indexes
-                # (state lost), and a query at our old index would sit out its whole wait.
-                index = BlockingIndex()
-                failures += 1
-                if failures == 1 or failures % 30 == 0:
-                    logger.warning("Node %s cannot watch the members of run %s: %s",
-                                   self.node_id, self.run_id, exc)
-                time.sleep(min(0.1 * 2 ** failures, 2.0))
-                continue
-            if not self._update_from_watch(known, result, generation):
-                return
-
-    def _update_from_watch(self, known: dict[str, MemberView], result: RoundResult,
-                           generation: int) -> bool:
-        """Apply one view of the members; False when the watch should end."""
-        broken = round_broken(known, result.participants, result.members_index)
-        waiting = count_waiting(known, result.participants, result.members_index, self.settings)
+        watched = WatchedRound(
+            round=result.round, participants=list(result.participants),
+            members_index=result.members_index, joined_index=result.joined_index,
+            seal_id=result.seal_id, max_nodes=result.max_nodes or self.settings.max_nodes,
+            settings=self.settings, node_id=self.node_id)
         with self._lock:
-            if self._generation != generation:
-                return False  # a new next_round() rewrites our key: its absence means nothing
-            if self.node_id not in known:
+            self._stop_watch()
+            if self._left:
+                return
+            self._watch = RoundWatch(self.client, self.keys, watched, self,
+                                     wait=self.settings.watch_wait).start()
+
+    def _stop_watch(self) -> None:
+        """End the current round's watch (caller holds ``_lock``)."""
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+
+    # What the round's watch reports (consul_rdzv.watch.WatchHost). A watch that was stopped
+    # or replaced meanwhile (a new next_round(), leave()) is ignored.
+
+    def watch_counted(self, watch: RoundWatch, waiting: int) -> None:
+        with self._lock:
+            if watch is not self._watch or waiting == self._waiting:
+                return
+            self._waiting = waiting
+            logger.info("Node %s sees %d node(s) waiting to join run %s (round %d).",
+                        self.node_id, waiting, self.run_id, watch.watched.round)
+
+    def watch_over(self, watch: RoundWatch, reason: str, own_key: bool, waiting: int) -> None:
+        with self._lock:
+            if watch is not self._watch:
+                return
+            self._watch = None
+            if not own_key:
                 self.registration.mark_lost("its member key was deleted (session invalidated)")
-            if waiting != self._waiting:
-                self._waiting = waiting
-                if not broken:
-                    logger.info("Node %s sees %d node(s) waiting to join run %s (round %d).",
-                                self.node_id, waiting, self.run_id, result.round)
-            if self.registration.lost_confirmed:
-                self._set_broken(f"this node is out of its round: "
-                                 f"{self.registration.lost_reason}")
-            if not broken:
-                return True
-        gone = [n for n in broken if n not in known]
-        asking = [n for n in broken if n in known]
-        self._end_watch(result, generation, "; ".join(part for part in (
-            f"gone: {', '.join(gone[:8])}" if gone else "",
-            f"asking for a new round: {', '.join(asking[:8])}" if asking else "") if part))
-        return False
-
-    def _end_watch(self, result: RoundResult, generation: int, reason: str) -> None:
-        """The round is broken: say so once, and stop watching."""
-        with self._lock:
-            if self._generation != generation:
-                return
-            self._waiting = max(self._waiting, 1)
-            logger.info("Round %d of run %s is over for node %s (%s).", result.round,
+            self._waiting = max(self._waiting, waiting, 1)
+            logger.info("Round %d of run %s is over for node %s (%s).", watch.watched.round,
                         self.run_id, self.node_id, reason)
-            self._set_broken(f"round {result.round} is over ({reason})")
+            self._set_broken(f"round {watch.watched.round} is over ({reason})")
             # nobody watches our key any more
             self.registration.probe_session_from(time.monotonic()
                                                  + self.settings.heartbeat_interval)
 
+    def watch_finished(self, watch: RoundWatch, closed: dict) -> None:
+        with self._lock:
+            if watch is not self._watch:
+                return
+            self._watch = None
+            self._finished = dict(closed)
+            self._waiting = 0
+        logger.info("Run %s finished in round %d (%s, closed by %s): node %s lets its workers "
+                    "finish their work.", self.run_id, watch.watched.round,
+                    closed.get("reason", ""), closed.get("by", "?"), self.node_id)
 
-def _view(entry) -> MemberView:
-    rank = None
-    with contextlib.suppress(RendezvousStateError):
-        rank = Member.decode(entry).rank
-    return MemberView(entry.modify_index, rank)
+    def watch_cut_off(self, watch: RoundWatch, reason: str) -> None:
+        with self._lock:
+            if watch is not self._watch:
+                return
+            self._watch = None
+        self.registration.mark_lost(reason, confirmed=False)
+        self._set_broken(f"this node is out of its round: {reason}")
 
 
 class _Progress:
@@ -956,3 +1063,14 @@ def _check_seal_fits(ops: list[dict], sealed: Round, run_id: str) -> None:
         f"largest world that fits is about {fits} nodes: use shorter node ids or lower "
         "max_nodes."
     )
+
+
+def _float(value: object) -> float:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _utc(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))

@@ -53,6 +53,8 @@ class RendezvousSettings:
     keep_alive_interval: float | None = None
     consul_timeout: float = 10.0
     read_timeout: float = 60.0
+    watch_wait: float = 300.0
+    closed_retention: float = 600.0
     rank_policy: str = "stable"
     topology_keys: tuple[str, ...] = ()
     node_rank: int | None = None
@@ -66,6 +68,13 @@ class RendezvousSettings:
             raise ValueError(
                 f"run_id {self.run_id!r} is invalid: use 1-128 characters of letters, digits, "
                 "'_', '.' or '-' (not '.' or '..')."
+            )
+        if self.run_id.lower() == "none":
+            raise ValueError(
+                "run_id 'none' is torchrun's default --rdzv-id: every job started without "
+                "--rdzv-id would be the same run, and one Consul serves many jobs, so unrelated "
+                "nodes would be sealed into one round. Give each job its own id, the same on "
+                "every node of the job (e.g. --rdzv-id=$JOB_ID)."
             )
         if not _KEY_PREFIX.match(self.key_prefix) or self.key_prefix.startswith("/") \
                 or self.key_prefix.endswith("/") or "//" in self.key_prefix \
@@ -83,10 +92,22 @@ class RendezvousSettings:
                 f"({self.min_nodes})."
             )
         for name in ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-                     "consul_timeout", "read_timeout"):
+                     "consul_timeout", "read_timeout", "watch_wait"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}.")
+        if not isinstance(self.closed_retention, int | float) or not (
+                self.closed_retention == 0 or 10 <= self.closed_retention <= 86400):
+            raise ValueError(
+                f"closed_retention ({self.closed_retention!r}) must be 0 (remove a finished "
+                "run's closed marker with its last node) or 10-86400 seconds (the TTL of the "
+                "Consul session that keeps it)."
+            )
+        if self.watch_wait > 600:
+            raise ValueError(
+                f"watch_wait ({self.watch_wait:g}) must be at most 600 seconds: Consul caps a "
+                "blocking query's wait at 10 minutes."
+            )
         if self.heartbeat_timeout < 1:
             raise ValueError(
                 f"heartbeat_timeout ({self.heartbeat_timeout}) must be at least 1 second: it is "
@@ -156,7 +177,8 @@ class RendezvousSettings:
 
 #: ``--rdzv-conf`` keys that map onto settings fields, with their parsers.
 _FLOAT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-               "keep_alive_interval", "consul_timeout", "read_timeout")
+               "keep_alive_interval", "consul_timeout", "read_timeout", "watch_wait",
+               "closed_retention")
 #: Keys the torch adapter reads itself (Consul connection), listed here so one table is the truth.
 CONNECTION_KEYS = ("token_file", "datacenter", "ca_file", "ca_path", "client_cert", "client_key",
                    "tls_server_name", "ssl", "local_addr", "node_id")

@@ -67,7 +67,13 @@ from torch.distributed.elastic.rendezvous.api import (
 from . import errors
 from .client import ConsulClient
 from .config import ConsulConfig
-from .rendezvous import ConsulRendezvous, RoundResult
+from .rendezvous import (
+    OUTCOME_CLOSED,
+    OUTCOME_FAILED,
+    OUTCOME_FINISHED,
+    ConsulRendezvous,
+    RoundResult,
+)
 from .settings import RendezvousSettings, settings_from_conf
 
 logger = logging.getLogger(__name__)
@@ -401,39 +407,43 @@ class ConsulRendezvousHandler(RendezvousHandler):
         exc = sys.exc_info()[1]  # torch calls us from launch_agent's `finally`
         rdzv = self._rdzv
         reason = None
+        outcome = OUTCOME_CLOSED
         if self._interrupted or _interrupted(exc):
             why = "it was interrupted (Ctrl-C or a signal): the job goes on without it"
         elif self._in_round is None:
             why = "it is not in a round (its last rendezvous failed or never completed)"
         elif exc is None:
             why, reason = "", "the job finished: the workers of this node succeeded"
+            outcome = OUTCOME_FINISHED
         elif _failed_for_good(exc):
             why, reason = "", "the job failed: workers failed past --max-restarts"
+            outcome = OUTCOME_FAILED
         else:
             why = f"its agent failed ({type(exc).__name__}), which does not end the job"
         if reason is None:
             logger.info("Node %s leaves run %s without closing it: %s.", rdzv.node_id,
                         rdzv.run_id, why)
         if self._consul_failure is None:
-            return self._finish(reason, rdzv.settings.close_timeout)
+            return self._finish(reason, outcome, rdzv.settings.close_timeout)
         budget = min(rdzv.settings.close_timeout, SHUTDOWN_AFTER_CONSUL_FAILURE)
         logger.warning("Node %s shuts down after a Consul failure; leaving run %s gets at most "
                        "%gs.", rdzv.node_id, rdzv.run_id, budget)
-        outcome = _bounded(lambda: self._finish(reason, budget / 2), budget,
-                           f"consul-rdzv-shutdown-{rdzv.node_id}")
-        if outcome is None:
+        done = _bounded(lambda: self._finish(reason, outcome, budget / 2), budget,
+                        f"consul-rdzv-shutdown-{rdzv.node_id}")
+        if done is None:
             logger.warning("Node %s gave up leaving run %s after %gs: Consul does not answer.",
                            rdzv.node_id, rdzv.run_id, budget)
             self._release_reservation()
             self._server = None
             return False
-        return outcome
+        return done
 
-    def _finish(self, close_reason: str | None, timeout: float) -> bool:
+    def _finish(self, close_reason: str | None, outcome: str, timeout: float) -> bool:
         ok = True
         if close_reason is not None and self._in_round is not None:
             try:
-                self._rdzv.close_if_current(self._in_round, close_reason, timeout=timeout)
+                self._rdzv.close_if_current(self._in_round, close_reason, outcome=outcome,
+                                            timeout=timeout)
             except errors.RendezvousError as exc:
                 logger.warning("Node %s could not close run %s at shutdown: %s",
                                self._rdzv.node_id, self._rdzv.run_id, exc)

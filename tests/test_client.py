@@ -26,6 +26,7 @@ from consul_rdzv.client import (
     BlockingIndex,
     ConsulClient,
     KVEntry,
+    Step,
     txn_kv,
 )
 from consul_rdzv.config import ConsulConfig
@@ -251,6 +252,17 @@ def test_session_renew_raises_session_invalid_if_session_was_destroyed(consul):
     assert consul.session_info(sid) is None
     with pytest.raises(ConsulSessionInvalid, match=sid):
         consul.session_renew(sid)
+
+
+@pytest.mark.parametrize("check_id", ["invalid-session", "session-not-found:ttl:1"])
+def test_not_found_naming_session_in_its_ids_is_not_an_invalid_session(consul, prefix, check_id):
+    """Errors are classified by what Consul says, not by ids the request carries: a check whose
+    id contains 'session' and 'invalid' (or 'not found') is a missing check, not a lost
+    session (a node would otherwise rejoin instead of re-registering its check)."""
+    with pytest.raises(ConsulNotFound) as info:
+        consul.agent_check_update(f"{prefix}-{check_id}", "pass")
+    assert not isinstance(info.value, ConsulSessionInvalid)
+    assert check_id in str(info.value)
 
 
 def test_session_create_raises_bad_request_without_retrying_if_behavior_is_bogus(consul):
@@ -671,16 +683,55 @@ def test_kv_get_does_not_block_if_index_is_below_one(consul, prefix):
 def test_blocking_index_resets_to_zero_if_index_goes_backwards():
     idx = BlockingIndex()
     assert idx.param is None
-    assert idx.update(10) is False
+    assert idx.update(10) is Step.MOVED
     assert idx.param == 10
-    assert idx.update(10) is False
-    assert idx.update(12) is False
+    assert idx.update(10) is Step.SAME  # a return is not a change
+    assert idx.update(12) is Step.MOVED
     assert idx.param == 12
-    assert idx.update(3) is True
-    assert idx.index == 0
-    assert idx.param is None
-    assert idx.update(3) is False
+    assert idx.update(3) is Step.RESET
+    assert idx.index == 0 and idx.resets == 1
+    assert idx.param is None  # the next query does not block
+    assert idx.update(3) is Step.MOVED
     assert idx.param == 3
+
+
+def test_blocking_index_sends_one_once_answered_with_zero():
+    """Consul: 'it is always safe to use an index of 1': an answer of 0 must never make the
+    next query a non-blocking one (a busy loop)."""
+    idx = BlockingIndex()
+    assert idx.update(0) is Step.SAME
+    assert idx.param == 1
+    assert idx.update(0) is Step.SAME
+    assert idx.param == 1
+    assert idx.update(5) is Step.MOVED
+    assert idx.update(0) is Step.RESET
+    assert idx.update(0) is Step.SAME
+    assert idx.param == 1
+
+
+def test_borrowed_index_compares_its_first_answer_by_raft_order_then_its_own():
+    """A borrowed start (the seal's snapshot index): a lower first answer is 'nothing written
+    under this query since', not 'backwards'; later answers compare with the query's own."""
+    idx = BlockingIndex(100, borrowed=True)
+    assert idx.param == 100
+    assert idx.update(40) is Step.SAME  # the prefix's own, lower index: no change, no reset
+    assert idx.param == 40 and idx.resets == 0
+    assert idx.update(40) is Step.SAME
+    assert idx.update(120) is Step.MOVED
+    assert idx.update(110) is Step.RESET  # now it is this query's own answer that went back
+    moved = BlockingIndex(100, borrowed=True)
+    assert moved.update(101) is Step.MOVED
+
+
+def test_blocking_index_rebase_and_reset():
+    idx = BlockingIndex(100, borrowed=True)
+    idx.rebase(50)  # a fresh read after a failure: no comparison, and the borrow is over
+    assert idx.param == 50
+    assert idx.update(49) is Step.RESET
+    idx.rebase(0)
+    assert idx.param == 1
+    idx.reset()
+    assert idx.param is None
 
 
 @pytest.mark.parametrize("sequence", [[0], [5, 0], [1, 0, 0], [-4], [7, -1, 2], [3, 3, 1, 9, 2]])
@@ -698,20 +749,20 @@ def test_blocking_index_detects_reset_if_dev_agent_restarts(fresh_agent, prefix)
         for i in range(30):  # push the Raft index well above where a new dev agent starts
             client.kv_put(f"{prefix}/{i}", b"x")
         idx = BlockingIndex()
-        assert idx.update(client.kv_list(f"{prefix}/").index) is False
+        assert idx.update(client.kv_list(f"{prefix}/").index) is Step.MOVED
         before = idx.index
         fresh_agent.restart()
         # the old index is ahead of the new agent's: the query waits, then returns a lower one
         after = client.kv_list(f"{prefix}/", index=idx.param, wait=0.5)
         assert after.data == []  # the dev agent forgot everything
         assert after.index < before
-        assert idx.update(after.index) is True
+        assert idx.update(after.index) is Step.RESET
         assert idx.param is None
         # recovery: reads from scratch see new writes and the index tracks forward again
         client.kv_put(f"{prefix}/again", b"y")
         fresh = client.kv_list(f"{prefix}/", index=idx.param, wait=5)
         assert [e.key for e in fresh.data] == [f"{prefix}/again"]
-        assert idx.update(fresh.index) is False
+        assert idx.update(fresh.index) is Step.MOVED
         assert idx.param == fresh.index >= 1
     finally:
         client.close()

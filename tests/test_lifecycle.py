@@ -118,8 +118,11 @@ def test_signal_to_a_waiting_agent_leaves_without_closing_the_run(agent, prefix,
 
 @pytest.mark.timeout(400)
 def test_the_same_command_runs_twice_on_one_run_id(agent, prefix, run_id, tmp_path):
-    """Re-running a finished job (torchrun's default --rdzv-id, a re-created Kubernetes job):
-    the second job rendezvouses at once, and nothing of either job stays in Consul."""
+    """Re-running a finished job (the same --rdzv-id, a re-created Kubernetes job): the second
+    job rendezvouses at once, and nothing of either job stays in Consul but the finished job's
+    closed marker, shrunk and held by a session of closed_retention's TTL (Consul deletes it
+    by itself; it keeps the job's stragglers out meanwhile), which the re-run removes."""
+    sessions = []
     for attempt in range(2):
         with TorchrunJob(tmp_path / f"job{attempt}", agent.address, run_id, nnodes="2",
                          rdzv_conf=conf(prefix), train_args=["--steps", "5"]) as job:
@@ -132,8 +135,33 @@ def test_the_same_command_runs_twice_on_one_run_id(agent, prefix, run_id, tmp_pa
             trained_together(job, ["node-0", "node-1"], 2)
             print(f"[figure] job {attempt + 1} on run id {run_id}: "
                   f"{time.monotonic() - started:.1f}s")
-        assert keys_of(agent, prefix, run_id) == [], "the finished job left keys in Consul"
+        assert keys_of(agent, prefix, run_id) == [f"{prefix}/{run_id}/round/current"], \
+            "the finished job left keys in Consul"
         assert services_of(agent, run_id) == []
+        sessions.append(kept_marker_session(agent, prefix, run_id))
+    client = agent.client()
+    try:
+        assert client.session_info(sessions[0]) is None, "the re-run kept the old marker"
+        alive = {s["ID"] for s in client._call("GET", "/v1/session/list").json()}
+    finally:
+        client.close()
+    assert alive & set(sessions) == {sessions[1]}, (alive, sessions)
+
+
+def kept_marker_session(agent, prefix: str, run_id: str) -> str:
+    """The session keeping a finished run's closed marker (TTL closed_retention, no checks)."""
+    from consul_rdzv.layout import Round
+
+    client = agent.client()
+    try:
+        entry = client.kv_get(f"{prefix}/{run_id}/round/current").data
+        assert entry is not None and entry.session, "the closed marker is not kept"
+        assert Round.decode(entry).closed["outcome"] == "finished"
+        info = client.session_info(entry.session)
+        assert info["TTL"] == "600s" and not info["NodeChecks"], info
+        return entry.session
+    finally:
+        client.close()
 
 
 # ----------------------------------------------------------------------------- 3. spare times out

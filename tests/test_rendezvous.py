@@ -546,7 +546,7 @@ def test_corrupt_or_foreign_values_are_refused(cluster, key, value):
 
 def test_close_releases_every_waiter_and_the_run_opens_again_once_they_are_gone(cluster):
     settings = cluster.settings(min_nodes=3, max_nodes=3)
-    a, b, closer, late = (cluster.node(i, settings) for i in ("a", "b", "closer", "late"))
+    a, b, closer = (cluster.node(i, settings) for i in ("a", "b", "closer"))
     pending = cluster.start([a, b])
     wait_for(lambda: {"a", "b"} <= set(cluster.members()), 5, "a and b wait")
     assert not closer.is_closed()
@@ -560,9 +560,11 @@ def test_close_releases_every_waiter_and_the_run_opens_again_once_they_are_gone(
     took = time.monotonic() - started
     assert took < 3, f"waiters released {took:.2f}s after close()"
     assert not cluster.members(), "closed waiters withdraw their member keys"
-    assert all(n.is_closed() for n in (a, b, closer, late))
+    assert all(n.is_closed() for n in (a, b, closer))
 
-    # Nobody of the closed job is left: a joiner starts a new job on the run id (a re-run).
+    # Nobody of the closed job is left: a process started now is a new job on the run id (a
+    # re-run), and opens the run again.
+    late = cluster.node("late", settings)
     reopened = cluster.start([late])
     wait_for(lambda: "late" in cluster.members() and not closer.is_closed(), 5,
              "the late joiner reopened the run and waits for a new round")
@@ -570,32 +572,74 @@ def test_close_releases_every_waiter_and_the_run_opens_again_once_they_are_gone(
     figure(f"close(): waiters got RendezvousClosedError after {took * 1000:.0f}ms")
 
 
-def test_closed_run_refuses_joiners_while_a_node_of_its_job_is_alive(cluster):
-    """The finished job's nodes close the run; a straggler is refused while any of them lives;
-    the last one to leave removes the closed marker and the run id is usable again."""
+def test_finished_run_refuses_its_stragglers_and_a_rerun_waits_for_its_nodes(cluster):
+    """The finished job's nodes close the run. A straggler of that job (a process started
+    before the close) is refused, never running the job again on its own; a re-run (a process
+    started after the close) waits while a node of the job lives, and starts a new job, rounds
+    counted from 1, once the last one has left."""
     settings = cluster.settings(min_nodes=2, max_nodes=2)
     a, b = cluster.node("a", settings), cluster.node("b", settings)
+    straggler = cluster.node("straggler", cluster.settings(min_nodes=1, max_nodes=1))
     first = cluster.rounds([a, b], timeout=20)
     assert_round_ok(first, 2, 2)
-    assert a.close_if_current(first["a"], "job finished")
+    assert a.close_if_current(first["a"], "job finished", outcome="finished")
     assert b.close_if_current(first["b"], "job finished"), "already closed counts as closed"
     assert a.leave()
 
-    straggler = cluster.node("straggler", settings)
     with pytest.raises(RendezvousClosedError) as info:
         cluster.rounds([straggler], timeout=10)
     assert "job finished" in str(info.value)
-    assert "1 node(s) of that job are still alive (b)" in str(info.value), str(info.value)
+    assert "belongs to the job that ended" in str(info.value), str(info.value)
     assert "straggler" not in cluster.members()
 
-    assert b.leave()  # the last member: the closed marker goes with it
-    assert cluster.current_round() is None, "the closed marker of an ended job stayed"
-    assert not cluster.admin.kv_keys(cluster.keys.prefix + "/"), "keys of an ended job stayed"
+    rerun = [cluster.node(f"new-{i}", settings) for i in range(2)]
+    pending = cluster.start(rerun)
+    wait_for(lambda: {"new-0", "new-1"} <= set(cluster.members()), 10, "the re-run's nodes")
+    stays(lambda: not any(f.done() for f in pending.values()) and cluster.current_round()
+          and cluster.current_round().closed, 1.0,
+          "the re-run started (or failed) while a node of the finished job was alive")
 
-    again = [cluster.node(f"new-{i}", settings) for i in range(2)]
-    second = cluster.rounds(again, timeout=20)
+    assert b.leave()  # the last node of the finished job: the re-run starts now
+    second = cluster.gather(pending, timeout=20)
     assert_round_ok(second, 2, 2)
     assert one(second).round == 1
+    for node in rerun:
+        assert node.leave()
+    assert not cluster.admin.kv_keys(cluster.keys.prefix + "/"), "keys of an ended job stayed"
+
+
+def test_finished_run_keeps_its_closed_marker_for_a_while_after_its_last_node(cluster):
+    """The last node of a finished job leaves the closed marker (shrunk) under a session with
+    the closed_retention TTL: a straggler started before the close is still refused, a re-run
+    reopens the run at once and removes marker and session; left alone, Consul deletes the
+    marker when the session expires."""
+    settings = cluster.settings(min_nodes=1, max_nodes=1, closed_retention=10)
+    a = cluster.node("a", settings)
+    straggler = cluster.node("straggler", settings)
+    first = one(cluster.rounds([a], timeout=20))
+    assert a.close_if_current(first, "job finished", outcome="finished")
+    assert a.leave()
+    entry = cluster.admin.kv_get(cluster.keys.round).data
+    assert entry is not None and entry.session, "the closed marker was not kept"
+    kept = cluster.admin.session_info(entry.session)
+    assert kept["TTL"] == "10s" and kept["Behavior"] == "delete" and not kept["NodeChecks"]
+    assert cluster.admin.kv_keys(cluster.keys.prefix + "/") == [cluster.keys.round]
+    assert len(entry.value) < 400, "the kept marker should not carry the round's ranks"
+    with pytest.raises(RendezvousClosedError, match="belongs to the job that ended"):
+        cluster.rounds([straggler], timeout=10)
+
+    rerun = cluster.node("rerun", settings)
+    second = one(cluster.rounds([rerun], timeout=20))
+    assert second.round == 1 and second.participants == ["rerun"]
+    assert cluster.admin.session_info(entry.session) is None, "the marker's session stayed"
+    assert rerun.close_if_current(second, "job finished", outcome="finished")
+    assert rerun.leave()
+    entry = cluster.admin.kv_get(cluster.keys.round).data
+    assert entry is not None and entry.session
+    # Consul deletes the marker when its session's TTL runs out (servers allow up to 2x TTL)
+    wait_for(lambda: not cluster.admin.kv_keys(cluster.keys.prefix + "/"), 2 * 10 + 10,
+             "Consul deleting the kept marker")
+    assert cluster.admin.session_info(entry.session) is None
 
 
 def test_closed_run_whose_nodes_all_died_opens_again_for_a_new_job(cluster):
@@ -625,9 +669,10 @@ def test_leave_never_closes_the_run(cluster):
     assert a.leave()
     assert a.leave(), "leave() is idempotent"
     assert not b.is_closed()
+    assert not cluster.admin.kv_keys(cluster.keys.prefix + "/"), "the last leaver left keys"
     second = cluster.rounds([b], timeout=20)
     assert_round_ok(second, 1, 1)
-    assert one(second).round == 2
+    assert one(second).round == 1, "a job started on an emptied run counts from round 1"
     with pytest.raises(RendezvousStateError, match="has left"):
         a.next_round()
 
