@@ -48,6 +48,7 @@ from .errors import (
     ConsulUnavailableError,
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousReplacedError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -516,7 +517,7 @@ class ConsulRendezvous:
                 f"{holder_session}). Give every node a unique node id."
             )
         if theirs > self.incarnation:
-            raise RendezvousStateError(
+            raise RendezvousReplacedError(
                 f"Node {self.node_id} of run {self.run_id} was replaced by a newer process with "
                 f"the same node id (pid {holder.pid} on host {holder.host}); this process stops."
             )

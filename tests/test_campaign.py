@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from consul_rdzv.client import ConsulClient
-from consul_rdzv.errors import ConsulUnavailableError, RendezvousStateError
+from consul_rdzv.errors import ConsulUnavailableError, RendezvousReplacedError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not installed
 
@@ -295,7 +295,7 @@ def test_replaced_waiter_never_returns_its_replacements_round(agent, prefix, tmp
         pending.update(run.start([run.node("d", settings)]))
         results = run.gather(pending, timeout=15)
         assert results["x"].participants == results["c"].participants
-        with pytest.raises(RendezvousStateError):  # replaced: it stops (docs/protocol.md)
+        with pytest.raises(RendezvousReplacedError):  # it stops (docs/protocol.md)
             got = old_result.result(timeout=15)
             pytest.fail(f"the replaced process returned round {got.round} as rank {got.rank}, "
                         f"the round of its replacement (seal {got.seal_id}, the same as "
