@@ -458,7 +458,7 @@ class ConsulRendezvous:
         return Member(node=self.node_id, host=self.host, pid=os.getpid(),
                       want=self._last_round_no + 1 if self._last_round_no else 0,
                       rank=self.settings.node_rank, endpoint=endpoint,
-                      meta=dict(self.settings.node_meta), nonce=uuid.uuid4().hex,
+                      meta=dict(self.settings.node_meta),
                       incarnation=self.incarnation.id, started=self.incarnation.started,
                       min_nodes=self.settings.min_nodes, max_nodes=self.settings.max_nodes)
 

@@ -1103,10 +1103,15 @@ class ConsulCluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m consul_rdzv.testing [build|path]``: obtain the Consul binary."""
+    """``python -m consul_rdzv.testing [path]``: obtain the Consul binary (build it if need be);
+    with ``path``, print where it is."""
     args = argv if argv is not None else sys.argv[1:]
+    if args not in ([], ["path"]):
+        print(f"usage: python -m consul_rdzv.testing [path] (got {' '.join(args)!r})",
+              file=sys.stderr)
+        return 2
     path = consul_binary()
-    if args[:1] == ["path"]:
+    if args:
         print(path)
     return 0
 

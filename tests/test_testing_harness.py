@@ -8,7 +8,13 @@ import time
 
 import pytest
 
-from consul_rdzv.testing import CONSUL_VERSION, ConsulAgent, ConsulBinaryError, consul_binary
+from consul_rdzv.testing import (
+    CONSUL_VERSION,
+    ConsulAgent,
+    ConsulBinaryError,
+    consul_binary,
+    main,
+)
 
 
 def test_consul_binary_returns_executable_of_at_least_1_14_if_available():
@@ -39,6 +45,18 @@ def test_consul_binary_raises_binary_error_if_consul_bin_is_unusable(monkeypatch
     with pytest.raises(ConsulBinaryError, match="CONSUL_BIN") as info:
         consul_binary(build=False)
     assert str(path) in str(info.value)
+
+
+def test_main_prints_the_binary_path_if_asked_for_path(capsys):
+    assert main(["path"]) == 0
+    assert capsys.readouterr().out.strip() == consul_binary(build=False)
+
+
+@pytest.mark.parametrize("argv", [["build"], ["path", "extra"]])
+def test_main_refuses_an_unknown_argument_with_its_usage(capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "usage: python -m consul_rdzv.testing [path]" in err and argv[-1] in err
 
 
 def test_consul_agents_run_side_by_side_if_started_together(tmp_path):
