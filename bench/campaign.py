@@ -97,7 +97,7 @@ from bench.servers import cpu_model
 from consul_rdzv.client import ConsulClient
 from consul_rdzv.errors import ConsulError
 from consul_rdzv.layout import Keys
-from consul_rdzv.testing import CONSUL_VERSION, ClusterMember, ConsulCluster
+from consul_testing import CONSUL_VERSION, ClusterMember, ConsulCluster
 
 from .campaign_node import EXIT_REPLACED, endpoint_for
 

@@ -279,7 +279,7 @@ class ClusterServer:
     topology = "cluster"
 
     def __init__(self, servers: int = 3, clients: int = 16, raft_multiplier: int = 5) -> None:
-        from consul_rdzv.testing import ConsulCluster
+        from consul_testing import ConsulCluster
 
         self.raft_multiplier = raft_multiplier
         self.cluster = ConsulCluster(
