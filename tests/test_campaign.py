@@ -1,4 +1,4 @@
-"""The fault campaign (bench/campaign.py): its seeded schedule, its invariant checks on hand-built
+"""The fault campaign (verify/campaign.py): its seeded schedule, its invariant checks on hand-built
 records (each violation kind is caught), a short campaign on a real cluster (slow), and the
 lost-seal-answer stall the campaign found, reproduced deterministically on a dev agent.
 
@@ -11,20 +11,14 @@ round (``worker_replace`` provokes it). The rounds now name each rank's incarnat
 from __future__ import annotations
 
 import itertools
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from rdzv_nodes import Cluster
 
 from consul_rdzv.client import ConsulClient
 from consul_rdzv.errors import ConsulUnavailableError, RendezvousReplacedError
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not installed
-
-from rdzv_nodes import Cluster
-
-from bench.campaign import (
+from verify.campaign import (
     KINDS,
     SERVER_KINDS,
     CampaignConfig,
@@ -35,7 +29,7 @@ from bench.campaign import (
     schedule_digest,
     summary,
 )
-from bench.campaign_node import endpoint_for
+from verify.campaign_node import endpoint_for
 
 # ------------------------------------------------------------------------------- schedule
 

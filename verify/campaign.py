@@ -1,11 +1,11 @@
-"""A seeded, randomized fault campaign on a real Consul cluster (issue 12).
+"""A seeded, randomized fault campaign on a real Consul cluster: the verification suite.
 
-    python -m bench.campaign --seed 7 --rounds 500 [--nodes 6] [--out report.json]
-    python -m bench.campaign --seed 7 --schedule-only 20    # print the fault schedule only
-    python -m bench.campaign --seed 0 --check-events LOGS/events.jsonl   # check a recorded run
+    python -m verify.campaign --seed 7 --rounds 500 [--nodes 6] [--out report.json]
+    python -m verify.campaign --seed 7 --schedule-only 20    # print the fault schedule only
+    python -m verify.campaign --seed 0 --check-events LOGS/events.jsonl   # check a recorded run
 
 What runs: a :class:`~consul_rdzv.testing.ConsulCluster` (3 servers and 3 client agents, each on
-its own 127.X.Y.Z), ``--nodes`` real node processes (``bench/campaign_node.py``: protocol level,
+its own 127.X.Y.Z), ``--nodes`` real node processes (``verify/campaign_node.py``: protocol level,
 no torch) spread over the client agents, each joining rounds back to back with a short random
 "training" time between, a watcher that records every value of ``P/round/current`` (consistent
 blocking reads, from whichever server answers), and a fault injector. A killed node process is
@@ -93,9 +93,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from bench.servers import cpu_model
 from consul_rdzv.client import ConsulClient
-from consul_rdzv.errors import ConsulError
+from consul_rdzv.errors import ConsulError, RendezvousReplacedError
 from consul_rdzv.layout import Keys
 from consul_testing import CONSUL_VERSION, ClusterMember, ConsulCluster
 
@@ -409,7 +408,7 @@ def check_missed_rounds(consul_values: list[dict],
 
 @dataclass
 class CampaignConfig:
-    """Everything a campaign run depends on (see ``python -m bench.campaign --help``)."""
+    """Everything a campaign run depends on (see ``python -m verify.campaign --help``)."""
 
     seed: int
     rounds: int
@@ -563,7 +562,7 @@ class Campaign:
         serial = next(self._serials)
         cfg = self.cfg
         log_path = self.log_dir / "nodes" / f"{node_id}.p{serial}.log"
-        cmd = [sys.executable, "-m", "bench.campaign_node", "--run-id", self.run_id,
+        cmd = [sys.executable, "-m", "verify.campaign_node", "--run-id", self.run_id,
                "--key-prefix", self.prefix, "--node-id", node_id, "--serial", str(serial),
                "--min", str(cfg.min_nodes), "--max", str(cfg.max_nodes),
                "--heartbeat", str(cfg.heartbeat), "--last-call", str(cfg.last_call),
@@ -1300,7 +1299,7 @@ class Campaign:
         """The circumstances of a node's error, from the fault timeline."""
         message = error.get("message", "")
         start, end = error.get("join_t") or error["t"], error["t"]
-        if "replaced by a newer process" in message:
+        if error["type"] == RendezvousReplacedError.__name__:
             return "replaced by a newer process (worker_replace): the stop the protocol asks for"
         if "serfHealth" in message:
             return ("session refused: the servers saw its client agent failed (serfHealth "
@@ -1378,12 +1377,20 @@ def _loadavg() -> str:
     return "?"
 
 
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
 def _machine() -> dict:
     commit = ""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                 capture_output=True, text=True, timeout=10).stdout.strip()
-    return {"cpus": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform(),
+    return {"cpus": os.cpu_count(), "cpu": _cpu_model(), "platform": platform.platform(),
             "python": platform.python_version(), "consul": CONSUL_VERSION,
             "loadavg_end": _loadavg(), "commit": commit}
 
