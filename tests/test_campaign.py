@@ -1,4 +1,4 @@
-"""The fault campaign (verify/campaign.py): its seeded schedule, its invariant checks on hand-built
+"""The fault campaign (verify/): its seeded schedule, its invariant checks on hand-built
 records (each violation kind is caught), a short campaign on a real cluster (slow), and the
 lost-seal-answer stall the campaign found, reproduced deterministically on a dev agent.
 
@@ -18,18 +18,11 @@ from rdzv_nodes import Cluster
 
 from consul_rdzv.client import ConsulClient
 from consul_rdzv.errors import ConsulUnavailableError, RendezvousReplacedError
-from verify.campaign import (
-    KINDS,
-    SERVER_KINDS,
-    CampaignConfig,
-    check_invariants,
-    check_missed_rounds,
-    fault_schedule,
-    run_campaign,
-    schedule_digest,
-    summary,
-)
+from verify.campaign import CampaignConfig, run_campaign
 from verify.campaign_node import endpoint_for
+from verify.checks import check_invariants, check_missed_rounds
+from verify.report import summary
+from verify.schedule import KINDS, SERVER_KINDS, fault_schedule, schedule_digest
 
 # ------------------------------------------------------------------------------- schedule
 
