@@ -4,7 +4,7 @@
     python -m verify.campaign --seed 7 --schedule-only 20    # print the fault schedule only
     python -m verify.campaign --seed 0 --check-events LOGS/events.jsonl   # check a recorded run
 
-What runs: a :class:`~consul_rdzv.testing.ConsulCluster` (3 servers and 3 client agents, each on
+What runs: a :class:`~consul_testing.ConsulCluster` (3 servers and 3 client agents, each on
 its own 127.X.Y.Z), ``--nodes`` real node processes (``verify/campaign_node.py``: protocol level,
 no torch) spread over the client agents, each joining rounds back to back with a short random
 "training" time between, a watcher that records every value of ``P/round/current`` (consistent
