@@ -286,15 +286,6 @@ class ClusterServer:
     def pids(self) -> list[int]:
         return [m.proc.pid for m in self.cluster.members if m.proc and m.proc.poll() is None]
 
-    @property
-    def pid(self) -> int | None:  # the first client agent (for --pprof)
-        clients = self.cluster.clients
-        return clients[0].proc.pid if clients and clients[0].proc else None
-
-    @property
-    def agent(self):
-        return self.cluster.clients[0]
-
     def start(self) -> str:
         self.cluster.start(timeout=120)
         self.start_s = self.cluster.start_seconds
