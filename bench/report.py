@@ -1,15 +1,11 @@
-"""Tables and the plot from a bench/results/*.jsonl file.
+"""Tables from bench/results/*.jsonl files.
 
-    python -m bench.report bench/results/<stamp>.jsonl            # print the markdown tables
-    python -m bench.report bench/results/<stamp>.jsonl --docs     # also rewrite the docs
-    python -m bench.report MAIN.jsonl --hosts HOSTS.jsonl --docs  # plus a --loopback-hosts run
-    python -m bench.report --before B.jsonl --after A.jsonl [A2.jsonl] --cluster C.jsonl --docs
+    python -m bench.report bench/results/<stamp>.jsonl             # the Markdown tables
+    python -m bench.report --compare A.jsonl [A2.jsonl ...] --against B.jsonl [B2.jsonl ...]
 
-``--docs`` replaces the parts of docs/benchmarks.md between the ``bench:begin``/``bench:end``
-(and ``bench-hosts:begin``/``bench-hosts:end``) markers; the prose around them stays. It redraws
-docs/benchmark-latency.png. With ``--before``/``--after`` (two products measured by the same
-bench code, bench/product.py) and ``--cluster``, it writes the ``bench-compare`` block instead:
-before/after tables, the cluster scale tables, and the before/after plot.
+``bench.run`` prints the tables of its run and writes them beside the JSON lines (``.md``);
+``bench.run --compare REV_A REV_B`` prints the comparison of its two sides
+(:func:`render_comparison`).
 """
 
 from __future__ import annotations
@@ -20,11 +16,6 @@ import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
-
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs" / "benchmarks.md"
-PLOT = ROOT / "docs" / "benchmark-latency.png"
 
 
 def load(path: Path) -> tuple[dict, list[dict], list[dict]]:
@@ -118,15 +109,6 @@ def _fmt(v: float, unit: str, with_unit: bool = True) -> str:
     if unit == "n":
         return f"{v:.0f}" if float(v).is_integer() else f"{v:.1f}"
     return f"{v:.2f}"
-
-
-def _stat_cell(t: Table, key: tuple, n: int, field: str, sub: str = "median",
-               fmt: str = "{:.0f}") -> str:
-    rows = [r for r in t.runs.get(key, {}).get(n, []) if r.get(field)]
-    if not rows:
-        return ""
-    vals = [r[field][sub] for r in rows if r[field].get(sub) is not None]
-    return fmt.format(statistics.median(vals)) if vals else ""
 
 
 def _req_cell(t: Table, key: tuple, n: int, field: str) -> str:
@@ -428,8 +410,7 @@ def machine_lines(meta: dict) -> list[str]:
         f"{m.get('urllib3', '?')}",
         f"- Run {meta.get('stamp')} with "
         f"`{' '.join(['python -m bench.run', *meta.get('argv', [])])}`; "
-        f"consul_rdzv at git {product.get('git_head', '?')}"
-        f"{' + uncommitted changes' if product.get('consul_rdzv_dirty') else ''}"
+        f"consul_rdzv {product_label(meta)}"
         f" (package digest {product.get('consul_rdzv_sha256', '?')}); "
         f"spread layout over up to {meta.get('procs')} worker processes; per-run timeout "
         f"{meta.get('timeout'):g} s; RLIMIT_NOFILE {meta.get('nofile')}",
@@ -456,14 +437,13 @@ def load_lines(runs: list[dict], meta: dict) -> list[str]:
             "lines."]
 
 
-def render(path: Path, *, plot_rel: str | None = None) -> str:
+def render(path: Path) -> str:
+    """Every table of one run's JSON lines file, as Markdown."""
     meta, runs, skips = load(path)
     t = Table(runs, skips)
     layouts = sorted({r["layout"] for r in runs}, key=lambda x: x != "spread")
     out = [f"Results of `{Path(path).name}`:", ""]
     out += machine_lines(meta) + load_lines(runs, meta) + [""]
-    if plot_rel:
-        out += [f"![rendezvous latency vs N]({plot_rel})", ""]
     out += ["Cells: median [min\u2013max] over the repeats, in seconds; `⚠` marks a run with an "
             "invariant violation (listed below); `—` not run, with the reason. Ratios "
             "`consul : c10d` compare medians of the same invocation: `1 : 12` means c10d took "
@@ -497,16 +477,14 @@ def render(path: Path, *, plot_rel: str | None = None) -> str:
                    consul_breakdown(t, "failover"))
     out += section("Requests per survivor for the failover round:",
                    requests_table(t, "failover"))
-    out += single_run_extras(Path(path), meta)
+    out += single_run_extras(Path(path))
     out += problems(runs, skips)
     return "\n".join(out)
 
 
-def single_run_extras(path: Path, meta: dict) -> list[str]:
+def single_run_extras(path: Path) -> list[str]:
     """The SIGTERM failover, back-to-back rounds and Consul's own request counts of one file."""
     rs = RunSet([path])
-    label = f"`{(meta.get('product') or {}).get('git_head') or '?'}`"
-    topo = None
     out: list[str] = []
     term = [r for r in rs.runs if r["scenario"] == "failover-term"]
     if term:
@@ -515,184 +493,41 @@ def single_run_extras(path: Path, meta: dict) -> list[str]:
                 "| N | consul, rejoin on detection | consul, rejoin at the signal | c10d, at the "
                 "signal |", "|---|---|---|---|"]
         for n in sorted({r["n"] for r in term}):
-            det = rs.select("failover-term", n, trigger="detect", topology=topo)
-            kill = rs.select("failover-term", n, trigger="kill", topology=topo)
-            c10d = rs.select("failover-term", n, backend="c10d", trigger="kill", topology=topo)
+            det = rs.select("failover-term", n, trigger="detect", topology=None)
+            kill = rs.select("failover-term", n, trigger="kill", topology=None)
+            c10d = rs.select("failover-term", n, backend="c10d", trigger="kill", topology=None)
             seen = _med([r.get("detect_first_s") for r in det if not _failed(r)])
             cell = _runs_cell(det) + (f"; seen {seen:.2f}" if det and seen is not None else "")
             out.append(f"| {n} | {cell} | {_runs_cell(kill)} | {_runs_cell(c10d)} |")
         out.append("")
-    if rs.select("backtoback", topology=topo):
+        victims = [r["victim_exit"] for r in term if isinstance(r.get("victim_exit"), dict)
+                   and r["victim_exit"].get("exited_s") is not None]
+        if victims:
+            left = sum(1 for v in victims if v.get("left") and all(v["left"]))
+            out += [f"SIGTERM victim: its atexit hooks took median "
+                    f"{_med([v['atexit_s'] for v in victims]):.2f} s, the process was gone "
+                    f"{_med([v['exited_s'] for v in victims]):.2f} s after the signal; its node "
+                    f"had left in {left} of {len(victims)} runs.", ""]
+    if rs.select("backtoback", topology=None):
         out += ["### backtoback: each round's time from the last node's entry \u00b7 "
                 "Consul-counted requests per node besides check passes", ""]
-        out += compare_b2b([(label, rs)], topology=topo)
+        out += b2b_table([(_label(rs), rs)], topology=None)
     if any(isinstance(r.get("consul_requests"), dict) for r in rs.runs):
         out += ["### Requests per node counted by Consul (`consul_api_http_count`): fixed, one "
                 "round from handler creation", ""]
-        out += compare_requests(RunSet([]), rs, "-", label.strip("`"), topology=topo)
+        out += counted_table([(_label(rs), rs)], topology=None)
     return out
 
 
-def _pyplot() -> Any:
-    """matplotlib.pyplot on the Agg backend, or None (said on stderr) when it is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: pip install -e '.[bench]'", file=sys.stderr)
-        return None
-    return plt
+def _label(rs: RunSet) -> str:
+    return ", ".join(rs.products())
 
 
-def _log_axes(axes: Any) -> None:
-    """Log-log panels of seconds against N, labelled in plain numbers, with their legends."""
-    import matplotlib.ticker
-
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_xlabel("nodes N")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6.5)
-    axes[0].set_ylabel("seconds (median, min\u2013max)")
-
-
-def _save_png(plt: Any, fig: Any, target: Path) -> Path:
-    fig.tight_layout()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=80)
-    plt.close(fig)
-    try:  # a palette PNG is a third of the size: fit for committing
-        from PIL import Image
-
-        with Image.open(target) as img:
-            img.convert("RGB").quantize(colors=64).save(target, optimize=True)
-    except Exception:
-        pass
-    return target
-
-
-def plot(path: Path, extra: Path | None = None, target: Path = PLOT) -> Path | None:
-    """Latency vs N, one panel per scenario; ``extra`` (a --loopback-hosts run) is overlaid."""
-    plt = _pyplot()
-    if plt is None:
-        return None
-    meta, runs, skips = load(path)
-    tables = [(Table(runs, skips), "")]
-    if extra:
-        xmeta, xruns, xskips = load(extra)
-        head = (xmeta.get("product") or {}).get("git_head") or "?"
-        tables.append((Table(xruns, xskips), f", loopback hosts (git {head})"))
-    styles = {
-        ("consul", "spread"): ("tab:blue", "-", "o"),
-        ("consul", "threads"): ("tab:blue", ":", "s"),
-        ("c10d", "spread"): ("tab:red", "-", "o"),
-        ("c10d", "threads"): ("tab:red", ":", "s"),
-        ("etcd-v2", "spread"): ("tab:green", "-", "o"),
-        ("etcd-v2", "threads"): ("tab:green", ":", "s"),
-    }
-    panels = [("fixed", "fixed (min = max = N)"), ("lastcall", "lastcall (last call 1 s)"),
-              ("failover", "failover (from the kill)")]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.4))
-    for ax, (scenario, title) in zip(axes, panels, strict=True):
-        for t, tag in tables:
-            for key, by_n in sorted(t.runs.items(), key=lambda kv: str(kv[0])):
-                if key[0] != scenario:
-                    continue
-                _, backend, layout, trigger = key
-                if tag and backend != "consul":
-                    continue  # the overlay shows consul only (c10d does not connect in a round)
-                ns, med, lo, hi = [], [], [], []
-                for n in sorted(by_n):
-                    vals = t.values(key, n)
-                    if vals:
-                        ns.append(n)
-                        m = statistics.median(vals)
-                        med.append(m)
-                        lo.append(m - min(vals))
-                        hi.append(max(vals) - m)
-                if not ns:
-                    continue
-                color, ls, marker = styles.get((backend, layout), ("gray", "-", "x"))
-                label = f"{backend} {layout}"
-                if layout == "threads" and backend == "c10d":
-                    label = "c10d threads (as shipped)"
-                if trigger == "kill":
-                    ls, label = "--", label + " (rejoin at kill)"
-                elif trigger == "detect":
-                    label += " (rejoin on detection)"
-                if tag:
-                    color, marker = "tab:cyan", "^"
-                    label += tag
-                ax.errorbar(ns, med, yerr=[lo, hi], color=color, linestyle=ls, marker=marker,
-                            markersize=4, capsize=2, linewidth=1.2, label=label)
-        ax.set_title(title, fontsize=10)
-    _log_axes(axes)
-    m = meta.get("machine", {})
-    fig.suptitle(f"Rendezvous latency, all nodes on one machine: {m.get('cores')} cores, "
-                 f"torch {m.get('torch')}, {m.get('consul')}, etcd {m.get('etcd') or '-'}",
-                 fontsize=10)
-    return _save_png(plt, fig, target)
-
-
-def _replace_block(text: str, name: str, body: str) -> str:
-    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    block = f"{begin}\n{body}\n{end}"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        return head + block + rest.split(end, 1)[1]
-    return text.rstrip() + "\n\n" + block + "\n"
-
-
-def write_docs(path: Path | None, hosts: Path | None = None) -> None:
-    """Rewrite the generated blocks of docs/benchmarks.md (and the plot, given a main run)."""
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    if path is not None:
-        png = plot(Path(path), Path(hosts) if hosts else None)
-        rel = png.relative_to(DOCS.parent).as_posix() if png else None
-        text = _replace_block(text, "bench", render(Path(path), plot_rel=rel))
-    if hosts is not None:
-        text = _replace_block(text, "bench-hosts", render(Path(hosts)))
-    DOCS.write_text(text)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.report")
-    p.add_argument("results", nargs="?", help="a bench/results/*.jsonl file")
-    p.add_argument("--before", nargs="*", default=[],
-                   help="before/after report: runs of the old product (bench.run --product)")
-    p.add_argument("--after", nargs="*", default=[], help="... runs of the new product")
-    p.add_argument("--cluster", nargs="*", default=[],
-                   help="... runs on a cluster (bench.run --cluster-clients)")
-    p.add_argument("--hosts", default=None,
-                   help="a --loopback-hosts run: its tables go to their own block of the docs "
-                        "and consul's series are overlaid on the plot")
-    p.add_argument("--docs", action="store_true")
-    args = p.parse_args(argv)
-    if args.before or args.after:
-        paths = [[Path(x) for x in group] for group in (args.before, args.after, args.cluster)]
-        print(render_compare(*paths))
-        if args.docs:
-            write_compare_docs(*paths)
-        return 0
-    if not args.results:
-        p.error("give a results file, or --before/--after")
-    print(render(Path(args.results)))
-    if args.docs:
-        write_docs(Path(args.results), Path(args.hosts) if args.hosts else None)
-    return 0
-
-
-
-# =========================================================================== before / after
-
-#: Goals of issues 11 and 12 (docs/benchmarks.md judges them from these tables).
-HEARTBEAT_TTL = 5.0
+def product_label(meta: dict) -> str:
+    """Which consul_rdzv a run measured: the revision asked for, or the checkout's commit."""
+    product = meta.get("product") or {}
+    label = product.get("rev") or product.get("git_head") or "?"
+    return label + (" + uncommitted" if product.get("consul_rdzv_dirty") else "")
 
 
 class RunSet:
@@ -703,7 +538,7 @@ class RunSet:
         self.runs: list[dict] = []
         for path in paths:
             meta, runs, _ = load(path)
-            product = (meta.get("product") or {}).get("git_head") or "?"
+            product = product_label(meta)
             self.metas.append({**meta, "_file": Path(path).name})
             for r in runs:
                 r["_product"] = product
@@ -714,7 +549,7 @@ class RunSet:
     def products(self) -> list[str]:
         seen: list[str] = []
         for m in self.metas:
-            p = (m.get("product") or {}).get("git_head") or "?"
+            p = product_label(m)
             if p not in seen:
                 seen.append(p)
         return seen
@@ -797,99 +632,14 @@ def _pass_rate(runs: list[dict], key: str = "consul_requests") -> float | None:
     return passes / node_seconds if node_seconds else None
 
 
-def compare_fixed(before: RunSet, after: RunSet, pb: str, pa: str) -> list[str]:
-    sizes = sorted(set(before.sizes("fixed")) | set(after.sizes("fixed")))
-    lines = [f"| N | before (`{pb}`) | after (`{pa}`) | c10d (in the after run) | "
-             "after : c10d | before : after |", "|---|---|---|---|---|---|"]
-    for n in sizes:
-        b, a = before.select("fixed", n), after.select("fixed", n)
-        c = after.select("fixed", n, backend="c10d", topology=None)
-        mb = _med([r["latency_s"] for r in b if r.get("status") == "ok" and r.get("latency_s")])
-        ma = _med([r["latency_s"] for r in a if r.get("status") == "ok" and r.get("latency_s")])
-        mc = _med([r["latency_s"] for r in c if r.get("status") == "ok" and r.get("latency_s")])
-        ratio = f"1 : {mc / ma:.1f}" if ma and mc else ""
-        speed = f"{mb / ma:.2f} : 1" if ma and mb else ""
-        lines.append(f"| {n} | {_runs_cell(b)} | {_runs_cell(a)} | {_runs_cell(c)} | {ratio} "
-                     f"| {speed} |")
-    return [*lines, ""]
-
-
-def compare_breakdown(sets: list[tuple[str, RunSet]], scenario: str = "fixed",
-                      topology: str = "single") -> list[str]:
-    lines = ["| N | version | round sealed | every `next_round()` returned | every "
-             "`next_rendezvous()` returned | agent CPU s | client CPU s | foreign CPU (cores) |",
-             "|---|---|---|---|---|---|---|---|"]
-    sizes = sorted({n for _, s in sets for n in s.sizes(scenario, topology=topology)})
-    for n in sizes:
-        for label, s in sets:
-            runs = s.select(scenario, n, topology=topology, ok=True)
-            if not runs:
-                continue
-
-            def m(field, runs=runs):
-                return _med([r.get(field) for r in runs])
-
-            foreign = _med([r["foreign_cpu_s"] / r["machine_cpu_s"] * 2 for r in runs
-                            if r.get("foreign_cpu_s") is not None and r.get("machine_cpu_s")])
-            lines.append(f"| {n} | {label} | {_num(m('sealed_s'), '{:.3f}')} | "
-                         f"{_num(m('released_s'), '{:.3f}')} | {_num(m('latency_s'), '{:.3f}')} "
-                         f"| {_num(m('server_cpu_s'), '{:.2f}')} | "
-                         f"{_num(m('client_cpu_s'), '{:.2f}')} | {_num(foreign, '{:.2f}')} |")
-    return [*lines, ""]
-
-
-def compare_failover(before: RunSet, after: RunSet, pb: str, pa: str,
-                     topology: str = "single") -> list[str]:
-    lines = ["| N | survivors rejoin | SIGKILL: before | SIGKILL: after | SIGTERM: before | "
-             "SIGTERM: after | c10d SIGKILL | c10d SIGTERM |", "|---|---|---|---|---|---|---|---|"]
-    sizes = sorted(set(before.sizes("failover", topology=topology))
-                   | set(after.sizes("failover", topology=topology))
-                   | set(before.sizes("failover-term", topology=topology))
-                   | set(after.sizes("failover-term", topology=topology)))
-    for n in sizes:
-        for trigger, name in (("detect", "on detection"), ("kill", "at the signal")):
-            cells = []
-            for s, scenario in ((before, "failover"), (after, "failover"),
-                                (before, "failover-term"), (after, "failover-term")):
-                runs = s.select(scenario, n, trigger=trigger, topology=topology)
-                cell = _runs_cell(runs)
-                seen = _med([r.get("detect_first_s") for r in runs if r.get("status") == "ok"])
-                if cell and trigger == "detect" and seen is not None:
-                    cell += f"; seen {seen:.2f}"
-                cells.append(cell)
-            for scenario in ("failover", "failover-term"):
-                runs = after.select(scenario, n, backend="c10d", trigger="kill",
-                                    topology=None) if trigger == "kill" else []
-                cells.append(_runs_cell(runs))
-            if any(cells):
-                lines.append(f"| {n} | {name} | " + " | ".join(cells) + " |")
-    return [*lines, ""]
-
-
-def victim_lines(after: RunSet) -> list[str]:
-    runs = [r for r in after.select("failover-term") if isinstance(r.get("victim_exit"), dict)]
-    exits = [r["victim_exit"]["exited_s"] for r in runs if "exited_s" in r["victim_exit"]]
-    atexit = [r["victim_exit"]["atexit_s"] for r in runs if "atexit_s" in r["victim_exit"]]
-    left = sum(1 for r in runs if all(r["victim_exit"].get("left") or [False]))
-    if not exits:
-        return []
-    return [f"SIGTERM victim (after): its atexit leave took median "
-            f"{statistics.median(atexit):.2f} s "
-            f"[{min(atexit):.2f}\u2013{max(atexit):.2f}], the process was gone "
-            f"{statistics.median(exits):.2f} s after the signal; its node had left in {left} of "
-            f"{len(runs)} runs.", ""]
-
-
-def compare_requests(before: RunSet, after: RunSet, pb: str, pa: str,
-                     topology: str = "single") -> list[str]:
-    """Consul-counted requests per node, fixed scenario."""
+def counted_table(sets: list[tuple[str, RunSet]], topology: str | None = "single") -> list[str]:
+    """Consul-counted requests per node, fixed scenario, one row per N and set."""
     lines = ["| N | version | all | TTL check passes | the rest | of which registration | "
              "check passes per node per s | product's own count (`RoundResult.requests`, "
              "median / max) |", "|---|---|---|---|---|---|---|---|"]
-    sizes = sorted(set(before.sizes("fixed", topology=topology))
-                   | set(after.sizes("fixed", topology=topology)))
+    sizes = sorted({n for _, s in sets for n in s.sizes("fixed", topology=topology)})
     for n in sizes:
-        for label, s in ((f"before `{pb}`", before), (f"after `{pa}`", after)):
+        for label, s in sets:
             runs = s.select("fixed", n, topology=topology)
             runs = [r for r in runs if not _failed(r) and isinstance(r.get("consul_requests"), dict)
                     and "per_node" in r["consul_requests"]]
@@ -908,7 +658,7 @@ def compare_requests(before: RunSet, after: RunSet, pb: str, pa: str,
     return [*lines, ""]
 
 
-def compare_b2b(sets: list[tuple[str, RunSet]], topology: str = "single") -> list[str]:
+def b2b_table(sets: list[tuple[str, RunSet]], topology: str | None = "single") -> list[str]:
     """Back-to-back rounds: each round's time (from the last entry) and Consul-counted requests
     per node besides check passes."""
     lines = ["| N | version | round 1 (all at once) | round 2 | round 3 | round 4 | rounds 2-4: "
@@ -952,273 +702,76 @@ def compare_b2b(sets: list[tuple[str, RunSet]], topology: str = "single") -> lis
     return [*lines, ""]
 
 
-def cluster_fixed(cluster: RunSet, single: list[tuple[str, RunSet]]) -> list[str]:
-    """Fixed rounds on one dev agent vs spread over client agents, N >= 128."""
-    lines = ["| N | where | nodes per agent | version | every `next_rendezvous()` returned, "
-             "median [min\u2013max] (runs) | round sealed | every `next_round()` returned | "
-             "requests per node besides passes (Consul-counted) | agents' CPU s | client CPU s "
-             "| foreign CPU s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for _, s in single:
-        for r in s.select("fixed", topology="single"):
-            groups[(r["n"], 1, "one dev agent", r["_product"])].append(r)
-    for r in cluster.select("fixed", topology="cluster"):
-        groups[(r["n"], r.get("agents") or 1,
-                f"cluster: 3 servers + {r.get('agents')} client agents", r["_product"])].append(r)
-    for (n, agents, where, product), runs in sorted(groups.items()):
-        if n < 128:
-            continue
-        good = [r for r in runs if not _failed(r)]
-        lines.append(
-            f"| {n} | {where} | {n // agents} | `{product}` | {_runs_cell(runs)} | "
-            f"{_num(_med([r.get('sealed_s') for r in good]), '{:.2f}')} | "
-            f"{_num(_med([r.get('released_s') for r in good]), '{:.2f}')} | "
-            f"{_num(_counted(good, 'consul_requests_round', 'rest_per_node'))} | "
-            f"{_num(_med([r.get('server_cpu_s') for r in runs]), '{:.1f}')} | "
-            f"{_num(_med([r.get('client_cpu_s') for r in runs]), '{:.1f}')} | "
-            f"{_num(_med([r.get('foreign_cpu_s') for r in runs]), '{:.1f}')} |")
-    return [*lines, ""]
+# ------------------------------------------------------------------------------ two products
 
 
-def cluster_failover(cluster: RunSet) -> list[str]:
-    lines = ["| N | where | version | SIGKILL, rejoin on detection: all back (death seen) | "
-             "SIGTERM, on detection |", "|---|---|---|---|---|"]
-    groups: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
-    for scenario in ("failover", "failover-term"):
-        for r in cluster.select(scenario, trigger="detect", topology="cluster"):
-            groups[(r["n"], r.get("agents"), r["_product"])][scenario].append(r)
-    for (n, agents, product), by in sorted(groups.items()):
-        cells = []
-        for scenario in ("failover", "failover-term"):
-            runs = by.get(scenario, [])
-            cell = _runs_cell(runs)
-            seen = _med([r.get("detect_first_s") for r in runs if not _failed(r)])
-            if cell and seen is not None:
-                cell += f" (seen {seen:.2f})"
-            cells.append(cell)
-        lines.append(f"| {n} | cluster, {agents} client agents | `{product}` | "
-                     + " | ".join(cells) + " |")
-    return [*lines, ""]
-
-
-def cluster_resources(sets: list[tuple[str, RunSet]]) -> list[str]:
-    rss_s, rss_c, starts, agents = [], [], [], set()
-    for _, s in sets:
-        for r in s.runs:
-            srv = r.get("server") or {}
-            if srv.get("topology") != "cluster":
-                continue
-            rss_s += srv.get("server_rss_mb") or []
-            rss_c += srv.get("client_rss_mb") or []
-            if srv.get("start_s"):
-                starts.append(srv["start_s"])
-            agents.add(srv.get("clients"))
-    if not rss_c:
-        return []
-    return [f"Cluster agents (at the start of each run): servers {statistics.median(rss_s):.0f} MB "
-            f"RSS each, client agents {statistics.median(rss_c):.0f} MB each (median); a "
-            f"cluster of 3 + {max(a for a in agents if a)} was up in "
-            f"{statistics.median(starts):.1f} s (median).", ""]
-
-
-def load_summary(sets: list[tuple[str, RunSet]]) -> list[str]:
-    lines = []
-    for label, s in sets:
-        for meta in s.metas:
-            runs = [r for r in s.runs if r["_file"] == meta["_file"]]
-            foreign = load_lines(runs, meta)
-            product = meta.get("product") or {}
-            argv = " ".join(["python -m bench.run", *meta.get("argv", [])])
-            lines.append(f"- `{meta['_file']}` ({label}, consul_rdzv `{product.get('git_head')}`,"
-                         f" digest {product.get('consul_rdzv_sha256')}): `{argv}`")
-            if foreign:
-                lines.append("  " + foreign[0][2:])
-    return [*lines, ""]
-
-
-def render_compare(before: list[Path], after: list[Path], cluster: list[Path],
-                   plot_rel: str | None = None) -> str:
-    b, a = RunSet(before), RunSet(after)
-    c = RunSet(cluster) if cluster else None
-    pb, pa = "/".join(b.products()), "/".join(a.products())
-    out = []
-    meta = (a.metas or b.metas)[0]
-    m = meta.get("machine", {})
-    out += [machine_lines(meta)[0],
-            f"- Python {m.get('python')}, torch {m.get('torch')}, {m.get('consul')}", ""]
-    out += ["Runs (every line of every file is in the tables below; foreign CPU = what other "
-            "processes on this shared machine used while the rounds ran):", ""]
-    sets = [("before", b), ("after", a)] + ([("cluster", c)] if c else [])
-    out += load_summary(sets)
-    if plot_rel:
-        out += [f"![before/after]({plot_rel})", ""]
-    out += ["Cells: median [min\u2013max] (number of runs), seconds; `⚠` a run with an "
-            "invariant violation (listed at the end). All on one dev agent unless said otherwise.",
-            ""]
-    out += ["#### fixed: min = max = N, from the release until every `next_rendezvous()` "
-            "returned", ""]
-    out += compare_fixed(b, a, pb, pa)
-    out += ["Where the time goes (medians; seconds from the release):", ""]
-    out += compare_breakdown([(f"before `{pb}`", b), (f"after `{pa}`", a)])
-    out += ["#### failover: from the signal until every survivor returned from the next round "
-            f"(TTL {HEARTBEAT_TTL:g} s; \"seen\": the first survivor's `num_nodes_waiting() > 0`)",
-            ""]
-    out += compare_failover(b, a, pb, pa)
-    out += victim_lines(a)
-    out += ["#### Requests per node, counted by Consul (`consul_api_http_count`): fixed, one "
-            "round from handler creation (registration + round + its meta publish)", ""]
-    out += compare_requests(b, a, pb, pa)
-    out += ["#### back-to-back: round 1, then 3 rounds in which every node re-rendezvouses, "
-            "entering 20 ms apart (at most 0.64 s in all); each round: time from the last "
-            "node's entry until every node returned · Consul-counted requests per node besides "
-            "check passes", ""]
-    out += compare_b2b([(f"before `{pb}`", b), (f"after `{pa}`", a)])
-    if c:
-        out += ["#### scale: one dev agent vs a cluster of 3 servers and 16 client agents (each "
-                "worker process's nodes on one client agent), fixed, N >= 128", ""]
-        out += cluster_fixed(c, [("before", b), ("after", a)])
-        out += ["Failover on the cluster (one node's process SIGKILLed / SIGTERMed, TTL 5 s):", ""]
-        out += cluster_failover(c)
-        if c.select("backtoback", topology="cluster"):
-            out += ["Back-to-back on the cluster:", ""]
-            out += compare_b2b([(f"`{p}`", c) for p in c.products()
-                                if c.select("backtoback", topology="cluster", product=p)],
-                               topology="cluster")
-        out += cluster_resources([("cluster", c)])
-    out += compare_problems(sets)
+def render_comparison(a_paths: list[Path], b_paths: list[Path]) -> str:
+    """Side A against side B (two products measured by the same bench code): every series both
+    sides ran, per N, the medians and B : A; then Consul-counted requests and back-to-back
+    rounds of both. Cells: median [min-max] (runs)."""
+    a, b = RunSet(a_paths), RunSet(b_paths)
+    la, lb = _label(a), _label(b)
+    out = [f"## A = consul_rdzv {la}, B = consul_rdzv {lb}", ""]
+    for side, rs in (("A", a), ("B", b)):
+        for m in rs.metas:
+            out.append(f"- {side}: `{m['_file']}`: `python -m bench.run "
+                       f"{' '.join(m.get('argv') or [])}`")
+    out += ["", "Cells: median [min\u2013max] (runs), seconds; `B : A` is the ratio of the "
+            "medians (below 1: B is faster).", ""]
+    keys = sorted({_series(r) for r in a.runs} & {_series(r) for r in b.runs},
+                  key=lambda k: tuple(str(x) for x in k))
+    for key in keys:
+        scenario, backend, layout, trigger = key
+        title = f"{scenario} {backend} {layout}" + (f" {trigger}" if trigger else "")
+        out += [f"### {title}", "", "| N | A | B | B : A |", "|---|---|---|---|"]
+        ra = [r for r in a.runs if _series(r) == key]
+        rb = [r for r in b.runs if _series(r) == key]
+        for n in sorted({r["n"] for r in ra} | {r["n"] for r in rb}):
+            xa = [r for r in ra if r["n"] == n]
+            xb = [r for r in rb if r["n"] == n]
+            ma = _med([r.get("latency_s") for r in xa if not _failed(r)])
+            mb = _med([r.get("latency_s") for r in xb if not _failed(r)])
+            ratio = f"{mb / ma:.2f}" if ma and mb is not None else ""
+            out.append(f"| {n} | {_runs_cell(xa)} | {_runs_cell(xb)} | {ratio} |")
+        out.append("")
+    sets = [(f"A {la}", a), (f"B {lb}", b)]
+    if any(isinstance(r.get("consul_requests"), dict) for r in a.runs + b.runs):
+        out += ["### Requests per node counted by Consul: fixed, one round from handler "
+                "creation", "", *counted_table(sets, topology=None)]
+    if a.select("backtoback", topology=None) or b.select("backtoback", topology=None):
+        out += ["### backtoback: each round's time from the last node's entry \u00b7 "
+                "Consul-counted requests per node besides check passes", "",
+                *b2b_table(sets, topology=None)]
+    bad = [r for r in a.runs + b.runs if r.get("violations")]
+    if bad:
+        out += ["Runs with an invariant violation or an error (every one):", ""]
+        for r in bad:
+            text = "; ".join(" ".join(v.split()) for v in r["violations"])[:400]
+            out.append(f"- {r['_product']} {r['scenario']} {r['backend']} {r['layout']} "
+                       f"N={r['n']} rep {r.get('rep')}: {text}")
+        out.append("")
     return "\n".join(out)
 
 
-def compare_problems(sets: list[tuple[str, RunSet]]) -> list[str]:
-    bad = [(label, r) for label, s in sets for r in s.runs
-           if r.get("violations") or r.get("status") != "ok"]
-    if not bad:
-        return ["Invariants (ranks 0..W-1 unique, one world size, one round, one trainer-store "
-                "endpoint and one seal id per round; failover: W = N-1 without the victim, "
-                "round number up) held in every run of every file above.", ""]
-    lines = ["Runs with an invariant violation or an error (every one):", ""]
-    for label, r in bad:
-        text = "; ".join(" ".join(v.split())[:300] for v in r.get("violations") or [])
-        if r.get("status") != "ok":
-            phases = ", ".join(f"phase {k}: {v['ok']} returned ok"
-                               for k, v in (r.get("phases_returned") or {}).items())
-            where = f" ({phases} of N={r['n']})" if phases else ""
-            text = f"{r.get('status')}{where}" + (f"; {text}" if text else "")
-        lines.append(f"- {label} {r['_file']} {r['scenario']} {r.get('trigger') or ''} "
-                     f"N={r['n']} rep {r.get('rep')} ({r.get('topology')}): {text}")
-    return [*lines, ""]
-
-
-def plot_compare(before: list[Path], after: list[Path], cluster: list[Path],
-                 target: Path = PLOT) -> Path | None:
-    """Three panels: fixed latency vs N, failover vs N (SIGKILL/SIGTERM), back-to-back rounds."""
-    plt = _pyplot()
-    if plt is None:
-        return None
-    b, a = RunSet(before), RunSet(after)
-    c = RunSet(cluster) if cluster else None
-    pb, pa = "/".join(b.products()), "/".join(a.products())
-
-    failed_at: dict[str, list[int]] = {}
-
-    def series(s: RunSet, scenario: str, field: str = "latency_s", **kw):
-        ns, med, lo, hi = [], [], [], []
-        for n in s.sizes(scenario, **{k: v for k, v in kw.items() if k != "ok"}):
-            runs = s.select(scenario, n, **kw)
-            if any(_failed(r) for r in runs):
-                failed_at.setdefault(scenario, []).append(n)
-            vals = [r[field] for r in runs if not _failed(r) and r.get(field) is not None]
-            if vals:
-                m = statistics.median(vals)
-                ns.append(n)
-                med.append(m)
-                lo.append(m - min(vals))
-                hi.append(max(vals) - m)
-        return ns, med, [lo, hi]
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.6))
-    ax = axes[0]
-    for s, label, color, ls, kw in (
-        (b, f"consul before ({pb}), one agent", "tab:blue", "--", {}),
-        (a, f"consul after ({pa}), one agent", "tab:blue", "-", {}),
-        (a, "c10d (after's run)", "tab:red", "-", {"backend": "c10d", "topology": None}),
-    ):
-        ns, med, err = series(s, "fixed", **kw)
-        if ns:
-            ax.errorbar(ns, med, yerr=err, color=color, linestyle=ls, marker="o", markersize=4,
-                        capsize=2, linewidth=1.2, label=label)
-    if c:
-        for product in c.products():
-            ns, med, err = series(c, "fixed", topology="cluster", product=product)
-            if ns:
-                ax.errorbar(ns, med, yerr=err, color="tab:green" if product == pa else "tab:olive",
-                            linestyle="-" if product == pa else "--", marker="s", markersize=4,
-                            capsize=2, linewidth=1.2, label=f"consul {product}, cluster")
-    if failed_at.get("fixed"):
-        ns = sorted(set(failed_at["fixed"]))
-        ax.plot(ns, [60.0] * len(ns), linestyle="none", marker="X", color="black", markersize=7,
-                label="a run failed at this N (not plotted; see the tables)")
-    ax.set_title("fixed (min = max = N)", fontsize=10)
-    ax = axes[1]
-    for s, scenario, label, color, ls in (
-        (b, "failover", f"SIGKILL, before ({pb})", "tab:purple", "--"),
-        (a, "failover", f"SIGKILL, after ({pa})", "tab:purple", "-"),
-        (b, "failover-term", f"SIGTERM, before ({pb})", "tab:orange", "--"),
-        (a, "failover-term", f"SIGTERM, after ({pa})", "tab:orange", "-"),
-    ):
-        ns, med, err = series(s, scenario, trigger="detect")
-        if ns:
-            ax.errorbar(ns, med, yerr=err, color=color, linestyle=ls, marker="o", markersize=4,
-                        capsize=2, linewidth=1.2, label=label + ", rejoin on detection")
-    for scenario, marker in (("failover", "x"), ("failover-term", "+")):
-        ns, med, _ = series(a, scenario, backend="c10d", topology=None, trigger="kill")
-        if ns:
-            ax.plot(ns, med, color="tab:red", marker=marker, linestyle="none", markersize=8,
-                    label=f"c10d {'SIGKILL' if scenario == 'failover' else 'SIGTERM'}")
-    if c:
-        ns, med, err = series(c, "failover", trigger="detect", topology="cluster")
-        if ns:
-            ax.errorbar(ns, med, yerr=err, color="tab:green", marker="s", markersize=4,
-                        capsize=2, linewidth=1.2, label="SIGKILL, after, cluster")
-    if failed_at.get("failover"):
-        ns = sorted(set(failed_at["failover"]))
-        ax.plot(ns, [30.0] * len(ns), linestyle="none", marker="X", color="black", markersize=7,
-                label="a run failed at this N")
-    ax.axhline(HEARTBEAT_TTL + 1, color="gray", linestyle=":", linewidth=1)
-    ax.set_title("failover (from the signal; TTL 5 s)", fontsize=10)
-    ax = axes[2]
-    for s, label, color, ls in ((b, f"before ({pb})", "tab:blue", "--"),
-                                (a, f"after ({pa})", "tab:blue", "-")):
-        ns, slow = [], []
-        for n in s.sizes("backtoback"):
-            times = [x.get("from_last_entry_s") for r in s.select("backtoback", n, ok=True)
-                     for x in r.get("b2b_rounds") or []]
-            times = [t for t in times if t is not None]
-            if times:
-                ns.append(n)
-                slow.append(max(times))
-        if ns:
-            ax.plot(ns, slow, color=color, linestyle=ls, marker="o", markersize=4,
-                    label=f"slowest round 2-4, {label}")
-    ax.axhline(0.3, color="gray", linestyle=":", linewidth=1)
-    ax.set_title("back-to-back rounds (from the last entry)", fontsize=10)
-    _log_axes(axes)
-    meta = (a.metas or b.metas)[0]
-    m = meta.get("machine", {})
-    fig.suptitle(f"consul-rdzv before/after, all nodes on one {m.get('cores')}-core machine "
-                 f"(shared), torch {m.get('torch')}, {m.get('consul')}", fontsize=10)
-    return _save_png(plt, fig, target)
-
-
-def write_compare_docs(before: list[Path], after: list[Path], cluster: list[Path]) -> None:
-    """Rewrite the ``bench-compare`` block of docs/benchmarks.md and the plot."""
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    png = plot_compare(before, after, cluster)
-    rel = png.relative_to(DOCS.parent).as_posix() if png else None
-    text = _replace_block(text, "bench-compare",
-                          render_compare(before, after, cluster, plot_rel=rel))
-    DOCS.write_text(text)
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
+    p.add_argument("results", nargs="*", help="bench/results/*.jsonl file(s): one run's tables")
+    p.add_argument("--compare", nargs="+", default=[], metavar="A.jsonl",
+                   help="side A of a comparison ...")
+    p.add_argument("--against", nargs="+", default=[], metavar="B.jsonl",
+                   help="... against side B")
+    args = p.parse_args(argv)
+    if args.compare or args.against:
+        if not (args.compare and args.against):
+            p.error("--compare needs both sides: --compare A.jsonl --against B.jsonl")
+        print(render_comparison([Path(x) for x in args.compare],
+                                [Path(x) for x in args.against]))
+        return 0
+    if not args.results:
+        p.error("give a results file, or --compare A.jsonl --against B.jsonl")
+    for results in args.results:
+        print(render(Path(results)))
+    return 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python -m bench.run                       # the full benchmark (about 35 minutes here)
     python -m bench.run --quick               # N = 2, 8, 32, one repeat, consul + c10d (< 3 min)
     python -m bench.run --backends consul --sizes 8,64 --scenarios fixed
-    python -m bench.run --docs                # also rewrite docs/benchmarks.md and the plot
+    python -m bench.run --compare HEAD~5 .    # the same series on two versions of consul_rdzv
 
 Every simulated node is a thread in a worker process and builds its handler with
 ``get_rendezvous_handler(RendezvousParameters(...))``, the path torchrun takes. Layouts:
@@ -36,10 +36,12 @@ Consul backends also count requests the way Consul does (``consul_api_http_count
 agent's ``/v1/agent/metrics``, read before and after): all requests, and TTL check passes (a
 cost per second) apart from the rest. ``--cluster-clients K`` runs consul on a ConsulCluster
 (``--cluster-servers`` servers, K client agents; each worker process talks to one client agent)
-instead of one dev agent. ``--product e2ac5ef`` measures another version of consul_rdzv with
-this bench code (bench/product.py).
+instead of one dev agent. ``--compare REV_A REV_B`` runs the same series on two versions of
+consul_rdzv (revisions of this repository, or ``.`` for this checkout) with this bench code and
+prints one against the other (bench/compare.py).
 
-Raw figures: one JSON line per run in bench/results/<timestamp>.jsonl; tables: bench/report.py.
+Raw figures: one JSON line per run in bench/results/<timestamp>.jsonl, its tables beside it
+(<timestamp>.md, bench/report.py).
 """
 
 from __future__ import annotations
@@ -131,8 +133,8 @@ def meta_settle(world: int) -> float:
 
 
 def _worker_entry(spec, conn, go, out) -> None:
-    """Worker process target: imports bench.worker there (bench.product must run first in that
-    process; the runner itself never imports the measured consul_rdzv.torch)."""
+    """Worker process target: imports bench.worker there (bench.compare.activate must run first
+    in that process; the runner itself never imports the measured consul_rdzv.torch)."""
     from bench import worker
 
     worker.main(spec, conn, go, out)
@@ -243,7 +245,6 @@ class Run:
         self.ready: dict[int, dict] = {}
         self.cpus: dict[int, float] = {}
         self.http: dict[str, list[float]] = {}
-        self.profiled: dict[int, str | None] = {}
         self.server = None
         self.log_path = RESULTS / "logs" / f"{self.run_id}.log"
 
@@ -326,8 +327,6 @@ class Run:
                     self.thread_cpu[group] = self.thread_cpu.get(group, 0.0) + sec
                 for cat, times in (msg.get("http") or {}).items():
                     self.http.setdefault(cat, []).extend(times)
-            elif kind == "profiled":
-                self.profiled[msg["pid"]] = msg["path"]
             elif kind == "killed":
                 self.killed_at = msg["t"]
             elif kind == "fatal":
@@ -440,7 +439,7 @@ class Run:
                         "run_id": self.run_id,
                         "min_nodes": lo, "max_nodes": hi, "conf": conf, "nodes": g,
                         "log_path": str(self.log_path), "log_level": o.log_level,
-                        "profile": o.profile, "hosts_file": o.hosts_file,
+                        "hosts_file": o.hosts_file,
                         "term_victim": self.scenario == "failover-term" and g == [victim]}
                 proc = self.ctx.Process(target=_worker_entry,
                                         args=(spec, child, self.go, self.out), daemon=True)
@@ -469,10 +468,6 @@ class Run:
             getattr(self, f"_scenario_{self.scenario.replace('-', '_')}")(rec, names)
             return rec
         finally:
-            if o.profile and self.ready:
-                self._save_profiles(rec)
-            if o.pprof:
-                self._finish_pprof(rec)
             if self.probe is not None:
                 self.probe.stop_event.set()
             self._send(("exit",))
@@ -494,7 +489,7 @@ class Run:
                 rec["log"] = str(self.log_path.relative_to(HERE.parent))
 
     def _check_product(self, rec: dict) -> str | None:
-        """Every worker must have loaded the consul_rdzv being measured (bench/product.py)."""
+        """Every worker must have loaded the consul_rdzv being measured (bench/compare.py)."""
         want = Path(self.opts.product_dir or HERE.parent).resolve() / "consul_rdzv"
         files = {pid: m.get("files") or {} for pid, m in self.ready.items()}
         rec["consul_rdzv_files"] = sorted({f for fs in files.values() for f in fs.values()
@@ -506,100 +501,6 @@ class Run:
                             "would not measure the product asked for")
         return None
 
-    def _save_profiles(self, rec: dict) -> None:
-        """Combine the profiles of every node thread; write a text summary."""
-        pdir = RESULTS / "profiles"
-        pdir.mkdir(exist_ok=True)
-        live = [w for w in self.workers if w[0].is_alive()]
-        for proc, conn, _ in live:
-            with contextlib.suppress(OSError, BrokenPipeError):
-                conn.send(("profile", str(pdir / f"{self.run_id}-{proc.pid}.json")))
-        self._pump(lambda: len(self.profiled) >= len(live), _now() + 120)
-        paths = [p for p in self.profiled.values() if p]
-        if not paths:
-            return
-        text = pdir / f"{self.run_id}.txt"
-        if self.opts.profile == "cpu":
-            import io
-            import pstats
-
-            buf = io.StringIO()
-            stats = pstats.Stats(paths[0], stream=buf)
-            for p in paths[1:]:
-                stats.add(p)
-            for p in paths:
-                with contextlib.suppress(OSError):
-                    os.unlink(p)
-            stats.strip_dirs()
-            buf.write(f"cProfile with time.thread_time (CPU of each node thread in "
-                      f"next_rendezvous(), {self.backend} {self.scenario} N={self.n}, "
-                      f"{self.layout})\n\n== by tottime ==\n")
-            stats.sort_stats("tottime").print_stats(30)
-            buf.write("\n== by cumtime ==\n")
-            stats.sort_stats("cumtime").print_stats(40)
-            text.write_text(buf.getvalue())
-            rec["profile"] = str(text.relative_to(HERE.parent))
-            return
-        from pyinstrument.renderers import ConsoleRenderer
-        from pyinstrument.session import Session
-
-        combined = Session.load(paths[0])
-        for p in paths[1:]:
-            combined = Session.combine(combined, Session.load(p))
-        for p in paths:
-            with contextlib.suppress(OSError):
-                os.unlink(p)
-        tree = ConsoleRenderer(unicode=False, color=False, short_mode=False,
-                               processor_options={"filter_threshold": 0.02}).render(combined)
-        text.write_text(f"pyinstrument, every node thread's next_rendezvous() combined "
-                        f"({self.backend} {self.scenario} N={self.n}, {self.layout}); wall-clock "
-                        f"samples of {len(paths)} processes\n\n"
-                        + profile_summary(combined) + "\n\n== pyinstrument tree ==\n" + tree)
-        rec["profile"] = str(text.relative_to(HERE.parent))
-
-    def _start_pprof(self) -> None:
-        """Sample the consul agent's CPU (Go pprof; dev agents enable /debug/pprof)."""
-        import threading
-        import urllib.request
-
-        pdir = RESULTS / "profiles"
-        pdir.mkdir(exist_ok=True)
-        self.pprof_path = pdir / f"{self.run_id}-consul.pprof"
-        url = (f"{self.server.agent.url}/debug/pprof/profile?seconds="
-               f"{max(1, int(self.opts.pprof))}")
-
-        def fetch() -> None:
-            with contextlib.suppress(OSError), urllib.request.urlopen(
-                    url, timeout=self.opts.pprof + 30) as resp:
-                self.pprof_path.write_bytes(resp.read())
-
-        self.pprof_thread = threading.Thread(target=fetch, daemon=True)
-        self.pprof_thread.start()
-
-    def _finish_pprof(self, rec: dict) -> None:
-        import shutil
-        import subprocess
-
-        from consul_rdzv.testing import consul_binary
-
-        thread = getattr(self, "pprof_thread", None)
-        if thread is None:
-            return
-        thread.join(self.opts.pprof + 40)
-        go = shutil.which("go") or "/usr/local/go/bin/go"
-        if not self.pprof_path.exists() or not os.path.exists(go):
-            return
-        out = subprocess.run([go, "tool", "pprof", "-top", "-nodecount=40", consul_binary(),
-                              str(self.pprof_path)], capture_output=True, text=True, timeout=300)
-        cum = subprocess.run([go, "tool", "pprof", "-top", "-cum", "-nodecount=40",
-                              consul_binary(), str(self.pprof_path)],
-                             capture_output=True, text=True, timeout=300)
-        text = self.pprof_path.with_suffix(".txt")
-        text.write_text(f"consul agent CPU profile, {self.scenario} N={self.n}\n\n== flat ==\n"
-                        f"{out.stdout or out.stderr}\n\n== cumulative ==\n"
-                        f"{cum.stdout or cum.stderr}")
-        rec["agent_pprof"] = str(text.relative_to(HERE.parent))
-
     # -- the phases
     def _release(self) -> float:
         from bench.servers import cpu_seconds_all, system_cpu
@@ -607,8 +508,6 @@ class Run:
         self.count_requests("release")
         self.server_cpu0 = cpu_seconds_all(self.server.pids)
         self.sys_cpu0 = system_cpu()
-        if self.opts.pprof and self.backend == "consul":
-            self._start_pprof()
         self.t_go = _now()
         self.wall_go = time.time()
         self.go.set()
@@ -939,46 +838,6 @@ class Run:
                 "error": msg.get("error")}
 
 
-def profile_summary(session, top: int = 25) -> str:
-    """Top functions over all node threads: inclusive and self wall time, threads merged."""
-    inclusive: Counter = Counter()
-    own: Counter = Counter()
-    total = 0.0
-
-    def name(ident: str) -> str:
-        parts = ident.split("\x01")[0].split("\x00")
-        func = parts[0]
-        path = parts[1] if len(parts) > 1 else ""
-        for marker in ("site-packages/", "/work/main/", "lib/python3"):
-            if marker in path:
-                path = path.split(marker, 1)[1]
-                break
-        line = parts[2] if len(parts) > 2 else ""
-        return f"{func}  {path}:{line}" if path else func
-
-    for stack, seconds in session.frame_records:
-        frames = [name(f) for f in stack if "\x00" in f]
-        if not frames:
-            continue
-        total += seconds
-        for f in set(frames):
-            inclusive[f] += seconds
-        own[frames[-1]] += seconds
-    lines = [f"node-thread wall time sampled: {total:.2f} s (sum over threads)", "",
-             "== top functions, inclusive (threads merged) =="]
-    for f, sec in inclusive.most_common(top):
-        lines.append(f"{sec:9.3f} s {100 * sec / total:5.1f}%  {f}")
-    lines += ["", "== consul_rdzv and torch handler functions, inclusive =="]
-    ours = [(f, sec) for f, sec in inclusive.most_common()
-            if "consul_rdzv/" in f or "rendezvous/" in f or "distributed/" in f]
-    for f, sec in ours[:top]:
-        lines.append(f"{sec:9.3f} s {100 * sec / total:5.1f}%  {f}")
-    lines += ["", "== top functions, self time (threads merged) =="]
-    for f, sec in own.most_common(top):
-        lines.append(f"{sec:9.3f} s {100 * sec / total:5.1f}%  {f}")
-    return "\n".join(lines)
-
-
 # --------------------------------------------------------------------------- the series
 
 def machine_info(etcd_bin: str | None, etcd_note: str) -> dict:
@@ -1118,11 +977,6 @@ def parse_args(argv=None):
                    help="N = 2,8,32, one repeat, all scenarios, consul + c10d, spread layout")
     p.add_argument("--log-level", default="WARNING", help="log level of the worker processes")
     p.add_argument("--keep-logs", action="store_true", help="keep the server's log per run")
-    p.add_argument("--profile", nargs="?", const="wall", choices=("wall", "cpu"), default=None,
-                   help="profile every node's next_rendezvous() into bench/results/profiles/: "
-                        "wall = pyinstrument (default), cpu = cProfile on per-thread CPU time")
-    p.add_argument("--pprof", type=float, default=0.0, metavar="SECONDS",
-                   help="consul runs: sample the agent's CPU with Go's pprof from the release on")
     p.add_argument("--b2b-rounds", type=int, default=3,
                    help="backtoback: rounds after the first")
     p.add_argument("--b2b-stagger", type=float, default=0.02,
@@ -1139,17 +993,21 @@ def parse_args(argv=None):
                    help="a failed or timed-out run does not skip the rest of its series")
     p.add_argument("--no-probe", action="store_true",
                    help="consul: no check-pass probe from the runner (bench/servers.AgentProbe)")
-    p.add_argument("--product", default="",
-                   help="measure the consul_rdzv of this git commit (or directory) instead of "
-                        "this checkout's, with this bench code (bench/product.py)")
+    p.add_argument("--compare", nargs=2, metavar=("REV_A", "REV_B"), default=None,
+                   help="run the series on two versions of consul_rdzv (git revisions of this "
+                        "repository; '.' is this checkout as it is) and compare them "
+                        "(bench/compare.py)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="--compare: run A then B this many times (alternating sees through "
+                        "the machine's drift)")
+    p.add_argument("--product-dir", default=None, metavar="DIR",
+                   help="measure the consul_rdzv package in DIR (what --compare runs; "
+                        "bench/compare.py)")
     p.add_argument("--only", default="",
                    help="run only these series/sizes, e.g. consul:failover-term:detect@8+32")
     p.add_argument("--loopback-hosts", action="store_true",
                    help="run workers with a private /etc/hosts naming ::ffff:127.0.0.1 (avoids "
                         "the reverse-DNS stalls of TCPStore connects; see bench/servers.py)")
-    p.add_argument("--docs", action="store_true",
-                   help="rewrite docs/benchmarks.md's generated part and "
-                        "docs/benchmark-latency.png")
     p.add_argument("--out", default="", help="JSON lines file (default bench/results/<ts>.jsonl)")
     opts = p.parse_args(argv)
     if opts.quick:
@@ -1174,6 +1032,10 @@ def parse_args(argv=None):
     for s in opts.scenarios:
         if s not in ALL_SCENARIOS:
             p.error(f"unknown scenario {s!r}")
+    if opts.passes < 1:
+        p.error(f"--passes must be at least 1, got {opts.passes}")
+    if opts.product_dir and not (Path(opts.product_dir) / "consul_rdzv" / "__init__.py").is_file():
+        p.error(f"--product-dir {opts.product_dir} holds no consul_rdzv package")
     return opts
 
 
@@ -1201,6 +1063,12 @@ def _interrupt(signum, frame) -> None:
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    if opts.compare:
+        from bench import compare
+
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        return compare.run(list(sys.argv[1:] if argv is None else argv), opts.compare,
+                           opts.passes, RESULTS)
     # Stopped by SIGTERM, or SIGINT (ignored by default in a background job): unwind, so that
     # every run's `finally` stops its workers and its Consul agents.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -1229,16 +1097,13 @@ def main(argv=None) -> int:
                 print(f"[bench] etcd-v2 skipped: {etcd_note}", flush=True)
 
     product = product_version()
-    opts.product_dir = None
-    if opts.product:
-        from bench import product as bench_product
+    if opts.product_dir:
+        from bench import compare
 
-        opts.product_dir, product = bench_product.prepare(opts.product, RESULTS)
-        # Before the forkserver starts: every worker process inherits these (bench/product.py).
-        os.environ[bench_product.ENV] = str(opts.product_dir)
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            [str(opts.product_dir), *filter(None, [os.environ.get("PYTHONPATH")])])
-        print(f"[bench] measuring consul_rdzv {product['git_head'] or ''} from "
+        opts.product_dir = Path(opts.product_dir).resolve()
+        product = compare.describe(opts.product_dir)
+        compare.use_product(opts.product_dir)  # before the forkserver starts: workers inherit
+        print(f"[bench] measuring consul_rdzv {product['rev'] or ''} from "
               f"{opts.product_dir} (digest {product['consul_rdzv_sha256']})", flush=True)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["bench.worker"])
@@ -1349,11 +1214,6 @@ def main(argv=None) -> int:
     md_path = out_path.with_suffix(".md")
     md_path.write_text(text)
     print(text)
-    if opts.docs:
-        if opts.hosts_file:
-            report.write_docs(None, hosts=out_path)
-        else:
-            report.write_docs(out_path)
     return 0
 
 

@@ -7,7 +7,7 @@
   ``telemetry { prometheus_retention_time }`` (Consul's own request counts:
   :meth:`ConsulServer.http_counts`); :meth:`ConsulServer.start` checks both.
 * consul on a cluster (``bench.run --cluster-clients K``) - :class:`ClusterServer`: a
-  :class:`consul_rdzv.testing.ConsulCluster` of real servers and K client agents, each on its own
+  :class:`consul_testing.ConsulCluster` of real servers and K client agents, each on its own
   127.X.Y.Z; every worker process talks to one client agent (one agent per simulated host).
 * c10d    - a ``TCPStore`` server (torch's default libuv backend) in its own process, listening on
   a socket bound to 127.0.0.1 (``master_listen_fd``: a bare ``TCPStore(is_master=True)`` would
@@ -127,12 +127,6 @@ def rss_mb(pid: int | None) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def loopback_hosts_file(directory: Path) -> Path:
@@ -267,7 +261,7 @@ class ConsulServer:
 
 
 class ClusterServer:
-    """A :class:`consul_rdzv.testing.ConsulCluster`: ``servers`` servers and ``clients`` client
+    """A :class:`consul_testing.ConsulCluster`: ``servers`` servers and ``clients`` client
     agents on their own loopback addresses, default gossip timings (``fast=False``: the harness's
     fast gossip is for failure tests, and costs CPU in every agent), ``log_level`` warn, and
     ``raft_multiplier`` (the harness runs Raft at 1, production timing for dedicated servers;
@@ -279,7 +273,7 @@ class ClusterServer:
     topology = "cluster"
 
     def __init__(self, servers: int = 3, clients: int = 16, raft_multiplier: int = 5) -> None:
-        from consul_rdzv.testing import ConsulCluster
+        from consul_testing import ConsulCluster
 
         self.raft_multiplier = raft_multiplier
         self.cluster = ConsulCluster(
@@ -291,15 +285,6 @@ class ClusterServer:
     @property
     def pids(self) -> list[int]:
         return [m.proc.pid for m in self.cluster.members if m.proc and m.proc.poll() is None]
-
-    @property
-    def pid(self) -> int | None:  # the first client agent (for --pprof)
-        clients = self.cluster.clients
-        return clients[0].proc.pid if clients and clients[0].proc else None
-
-    @property
-    def agent(self):
-        return self.cluster.clients[0]
 
     def start(self) -> str:
         self.cluster.start(timeout=120)
@@ -442,7 +427,9 @@ class EtcdServer:
         self.port = 0
 
     def start(self, timeout: float = 30.0) -> str:
-        self.port, peer = free_port(), free_port()
+        from consul_rdzv.testing import free_ports
+
+        self.port, peer = free_ports(2)
         client_url, peer_url = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{peer}"
         log = open(self.workdir / "etcd.log", "ab")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(

@@ -1,4 +1,4 @@
-# ruff: noqa: E402  (bench.product must run before torch is imported)
+# ruff: noqa: E402  (bench.compare.activate must run before torch is imported)
 """A benchmark worker process: hosts some of the simulated nodes, one thread per node.
 
 Every node builds its handler through torch's registry, exactly as torchrun does
@@ -23,8 +23,8 @@ What is patched here, and why (counting and loopback only; no rendezvous logic i
   ``TCPStore(is_master=True, multi_tenant=True)``.
 
 Which consul_rdzv: this checkout's, or the package of ``$BENCH_PRODUCT_DIR`` (``bench.run
---product``): :mod:`bench.product` decides it before torch's registry imports the package, and
-the ``ready`` message names the files that were loaded.
+--compare``): :func:`bench.compare.activate` decides it before torch's registry imports the
+package, and the ``ready`` message names the files that were loaded.
 
 The SIGTERM victim (scenario ``failover-term``): its main thread gets a SIGTERM handler raising
 torch's ``SignalException``, as torch's agent has while its workers run, so the process unwinds
@@ -53,9 +53,9 @@ from collections import Counter
 from pathlib import Path
 
 # isort: off
-from bench import product  # before torch: decides which consul_rdzv its registry imports
+from bench import compare  # before torch: decides which consul_rdzv its registry imports
 
-product.activate()
+compare.activate()
 # isort: on
 
 # Imported here so that the forkserver preloads them (a fork then costs milliseconds, not the
@@ -239,7 +239,6 @@ class Node:
         self.nnw_time = 0.0
         self.nnw_errors = 0
         self.nnw_last_error = ""
-        self.profiles = []
 
     # -- identity
     @property
@@ -293,7 +292,7 @@ class Node:
         if hasattr(rdzv, "halt"):
             rdzv.halt()
             return
-        # consul_rdzv up to e2ac5ef: one heartbeat thread, a generation that ends the watch.
+        # Older versions (--compare): no halt(); one heartbeat thread, a generation ends the watch.
         with rdzv._lock:
             rdzv._generation += 1
         heartbeat = getattr(rdzv, "_heartbeat", None)
@@ -304,17 +303,6 @@ class Node:
 def _round(node: Node, phase: int, out) -> None:
     before = node.counts()
     node.bootstrap_ops = 0
-    profiler = cpu_profiler = None
-    if PROFILE == "wall":
-        from pyinstrument import Profiler
-
-        profiler = Profiler(interval=0.001, async_mode="disabled")
-        profiler.start()
-    elif PROFILE == "cpu":
-        import cProfile
-
-        cpu_profiler = cProfile.Profile(timer=time.thread_time)
-        cpu_profiler.enable()
     t0 = time.monotonic()
     rec = {"type": "result", "idx": node.idx, "phase": phase, "pid": os.getpid(),
            "t_start": t0, "cause": node.rejoin_cause, "rejoin_at": node.rejoin_at,
@@ -343,12 +331,6 @@ def _round(node: Node, phase: int, out) -> None:
                    error=f"{type(exc).__name__}: {exc}"[:600])
         logging.getLogger("bench").warning("node %d phase %d failed:\n%s", node.idx, phase,
                                            traceback.format_exc())
-    if profiler is not None:
-        profiler.stop()
-        node.profiles.append(profiler.last_session)
-    if cpu_profiler is not None:
-        cpu_profiler.disable()
-        node.profiles.append(cpu_profiler)
     out.put(rec)
 
 
@@ -454,30 +436,6 @@ def _train(nodes: list[Node], seconds: float, interval: float, out) -> dict:
             "late_ticks": mon.late_ticks, "probe": probe}
 
 
-PROFILE: str | None = None
-
-
-def _save_profile(nodes: list[Node], path: str) -> bool:
-    sessions = [p for n in nodes for p in n.profiles]
-    if not sessions:
-        return False
-    if PROFILE == "cpu":
-        import pstats
-
-        stats = pstats.Stats(sessions[0])
-        for other in sessions[1:]:
-            stats.add(other)
-        stats.dump_stats(path)
-        return True
-    from pyinstrument.session import Session
-
-    combined = sessions[0]
-    for other in sessions[1:]:
-        combined = Session.combine(combined, other)
-    combined.save(path)
-    return True
-
-
 def _cpu() -> float:
     t = os.times()
     return t.user + t.system
@@ -519,8 +477,6 @@ def main(spec: dict, conn, go_mp, out) -> None:
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     install_hooks()
-    global PROFILE
-    PROFILE = spec.get("profile") or None
     backend = spec["backend"]
     nodes: list[Node] = []
     try:
@@ -556,7 +512,7 @@ def main(spec: dict, conn, go_mp, out) -> None:
     if spec.get("term_victim"):
         signal.signal(signal.SIGTERM, _raise_signal_exception)
     out.put({"type": "ready", "pid": os.getpid(), "nodes": {n.idx: n.name for n in nodes},
-             "cpu": _cpu(), "files": product.loaded_files() if backend == "consul" else {},
+             "cpu": _cpu(), "files": compare.loaded_files() if backend == "consul" else {},
              "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0]})
     try:
         _serve(nodes, conn, out, log)
@@ -580,7 +536,7 @@ def _exit_as_an_agent(exc: BaseException, nodes: list[Node], conn, log) -> None:
     t_caught = time.monotonic()
     error = None
     try:
-        atexit._run_exitfuncs()  # consul_rdzv.torch leaves here (it has no hook before 2ba1613)
+        atexit._run_exitfuncs()  # consul_rdzv.torch leaves here (older versions: no hook)
     except BaseException as err:  # pragma: no cover - reported
         error = f"{type(err).__name__}: {err}"
     t_done = time.monotonic()
@@ -637,12 +593,3 @@ def _serve(nodes: list[Node], conn, out, log) -> None:
                 HTTP_TIMES.clear()
             out.put({"type": "cpu", "pid": os.getpid(), "cpu": _cpu(), "http": times,
                      "threads": _thread_cpu()})
-        elif op == "profile":
-            saved = _save_profile(nodes, cmd[1])
-            out.put({"type": "profiled", "pid": os.getpid(), "path": cmd[1] if saved else None})
-        elif op == "stats":
-            out.put({"type": "stats", "pid": os.getpid(),
-                     "monitor": None if monitor is None else
-                     {"ticks": monitor.ticks, "late_ticks": monitor.late_ticks},
-                     "nnw": {n.idx: [n.nnw_calls, n.nnw_time, n.nnw_errors, n.nnw_last_error]
-                             for n in nodes}})

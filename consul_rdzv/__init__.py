@@ -18,6 +18,7 @@ from .errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousReplacedError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
+    "RendezvousReplacedError",
     "RendezvousSettings",
     "RendezvousStateError",
     "RendezvousTimeoutError",

@@ -590,9 +590,6 @@ class ConsulClient:
     def catalog_service(self, name: str, *, deadline: float | None = None) -> list[dict]:
         return self._call("GET", f"/v1/catalog/service/{name}", deadline=deadline).json()
 
-    def agent_self(self, *, deadline: float | None = None) -> dict:
-        return self._call("GET", "/v1/agent/self", deadline=deadline).json()
-
     def health_service(self, name: str, *, passing: bool = True, index: int | None = None,
                        wait: float | None = None, deadline: float | None = None) -> QueryResult:
         params, read_timeout = self._blocking_params(index, wait)

@@ -19,10 +19,12 @@ maps those onto torch's own rendezvous errors::
     ├── RendezvousTimeoutError       join_timeout passed; says who was present and who was missing
     ├── RendezvousConnectionError    Consul unreachable or refusing us past the retry deadline
     └── RendezvousStateError         a value under the run's prefix is corrupt or foreign, or the
-                                     configuration of the nodes conflicts (e.g. two ask for rank 3)
+        │                            configuration of the nodes conflicts (e.g. two ask for rank 3)
+        └── RendezvousReplacedError  a newer process took this node id over: this process stops
 
 Torch's mapping (``consul_rdzv.torch``): each ``Rendezvous*Error`` becomes the torch class of the
-same name; ``RendezvousConnectionError`` also covers ``ConsulPermissionDenied``.
+same name (``RendezvousReplacedError`` torch's ``RendezvousStateError``);
+``RendezvousConnectionError`` also covers ``ConsulPermissionDenied``.
 """
 
 from __future__ import annotations
@@ -105,3 +107,8 @@ class RendezvousConnectionError(RendezvousError):
 
 class RendezvousStateError(RendezvousError):
     """The state stored in Consul is unusable or the nodes' configuration conflicts."""
+
+
+class RendezvousReplacedError(RendezvousStateError):
+    """A newer process took this node id over (docs/protocol.md, "One node id, one process"):
+    this process must stop, not rejoin."""

@@ -87,7 +87,6 @@ class Member:
     rank: int | None = None  # explicit rank request
     endpoint: dict | None = None  # where this node would host the trainer store as rank 0
     meta: dict = field(default_factory=dict)
-    nonce: str = ""
     incarnation: str = ""  # unique per process (per ConsulRendezvous), see Incarnation
     started: float = 0.0  # wall-clock start of that incarnation: the newest one wins a node id
     min_nodes: int = 0  # this node's settings, for operators (consul-rdzv status)
@@ -109,7 +108,7 @@ class Member:
                 want=int(data.get("want", 0)),
                 rank=None if data.get("rank") is None else int(data["rank"]),
                 endpoint=data.get("endpoint"), meta=dict(data.get("meta") or {}),
-                nonce=str(data.get("nonce", "")), incarnation=str(data.get("incarnation", "")),
+                incarnation=str(data.get("incarnation", "")),
                 started=float(data.get("started", 0.0)),
                 min_nodes=int(data.get("min_nodes", 0)), max_nodes=int(data.get("max_nodes", 0)),
                 create_index=entry.create_index,

@@ -36,7 +36,6 @@ class Plan:
     """The coordinator's decision for one view of the run."""
 
     seal: list[str] | None = None  # node ids in rank order
-    wait_until: float | None = None
     quorum_since: float | None = None
     reason: str = ""
     detail: str = ""  # what a waiting node's progress line adds to the node count
@@ -92,8 +91,7 @@ def plan_round(state: RunState, settings: RendezvousSettings, now: float,
     if now >= since + settings.last_call_timeout:
         return Plan(seal=order, quorum_since=since)
     reason = f"last call: {len(selected)} nodes present, up to {settings.max_nodes}"
-    return Plan(wait_until=since + settings.last_call_timeout, quorum_since=since,
-                reason=reason, detail=reason)
+    return Plan(quorum_since=since, reason=reason, detail=reason)
 
 
 def explicit_gap(candidates: list[Candidate]) -> str:

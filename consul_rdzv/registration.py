@@ -51,7 +51,7 @@ from .errors import (
     ConsulNotFound,
     ConsulSessionInvalid,
     ConsulUnavailableError,
-    RendezvousStateError,
+    RendezvousReplacedError,
 )
 from .settings import RendezvousSettings
 
@@ -257,7 +257,7 @@ class Registration:
     def ensure(self, deadline: float) -> str:
         """A live session bound to our passing check: the current one, or a new one.
 
-        Raises :class:`RendezvousStateError` if a newer process took this node id over, and
+        Raises :class:`RendezvousReplacedError` if a newer process took this node id over, and
         :class:`ConsulConfigError` if the endpoint reaches several Consul agents.
         """
         with self._ensure_lock:
@@ -395,8 +395,8 @@ class Registration:
                     "its registration.", self.node_id, self.settings.run_id)
         return True
 
-    def _replaced_error(self) -> RendezvousStateError:
-        return RendezvousStateError(
+    def _replaced_error(self) -> RendezvousReplacedError:
+        return RendezvousReplacedError(
             f"Node {self.node_id} of run {self.settings.run_id} was replaced by a newer process "
             f"with the same node id ({self._replaced_by}); this process stops. Give every "
             "concurrently running node a unique node id."

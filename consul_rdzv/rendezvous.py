@@ -48,6 +48,7 @@ from .errors import (
     ConsulUnavailableError,
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousReplacedError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -504,7 +505,7 @@ class ConsulRendezvous:
         return Member(node=self.node_id, host=self.host, pid=os.getpid(),
                       want=self._last_round_no + 1 if self._last_round_no else 0,
                       rank=self.settings.node_rank, endpoint=endpoint,
-                      meta=dict(self.settings.node_meta), nonce=uuid.uuid4().hex,
+                      meta=dict(self.settings.node_meta),
                       incarnation=self.incarnation.id, started=self.incarnation.started,
                       min_nodes=self.settings.min_nodes, max_nodes=self.settings.max_nodes)
 
@@ -594,7 +595,7 @@ class ConsulRendezvous:
                 f"{holder_session}). Give every node a unique node id."
             )
         if theirs > self.incarnation:
-            raise RendezvousStateError(
+            raise RendezvousReplacedError(
                 f"Node {self.node_id} of run {self.run_id} was replaced by a newer process with "
                 f"the same node id (pid {holder.pid} on host {holder.host}); this process stops."
             )

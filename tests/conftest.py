@@ -1,14 +1,20 @@
-"""Fixtures: real Consul agents (dev, ACL, TLS, mTLS), a real multi-member Consul cluster, a
-unique KV prefix per test, and the agents' logs attached to the report of a failing test."""
+"""Fixtures: real Consul agents (dev, ACL, TLS, mTLS), a real multi-member Consul cluster (both
+from consul_testing/, the harness at the repository's root), a unique KV prefix per test, and the
+agents' logs attached to the report of a failing test."""
 
 from __future__ import annotations
 
 import os
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
-from consul_rdzv.testing import ConsulAgent, ConsulCluster
+# The harness (consul_testing/) is not installed: it lives at the repository's root.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from consul_testing import ConsulAgent, ConsulCluster
 
 #: Where CONSUL_HTTP_ADDR points when a test asked for no agent: a port nothing listens on, so
 #: that no test can reach a stray agent on 127.0.0.1:8500 by accident.

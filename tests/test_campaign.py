@@ -1,4 +1,4 @@
-"""The fault campaign (bench/campaign.py): its seeded schedule, its invariant checks on hand-built
+"""The fault campaign (verify/): its seeded schedule, its invariant checks on hand-built
 records (each violation kind is caught), a short campaign on a real cluster (slow), and the
 lost-seal-answer stall the campaign found, reproduced deterministically on a dev agent.
 
@@ -11,31 +11,18 @@ round (``worker_replace`` provokes it). The rounds now name each rank's incarnat
 from __future__ import annotations
 
 import itertools
-import sys
 import time
-from pathlib import Path
 
 import pytest
-
-from consul_rdzv.client import ConsulClient
-from consul_rdzv.errors import ConsulUnavailableError, RendezvousStateError
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ is not installed
-
 from rdzv_nodes import Cluster
 
-from bench.campaign import (
-    KINDS,
-    SERVER_KINDS,
-    CampaignConfig,
-    check_invariants,
-    check_missed_rounds,
-    fault_schedule,
-    run_campaign,
-    schedule_digest,
-    summary,
-)
-from bench.campaign_node import endpoint_for
+from consul_rdzv.client import ConsulClient
+from consul_rdzv.errors import ConsulUnavailableError, RendezvousReplacedError
+from verify.campaign import CampaignConfig, run_campaign
+from verify.campaign_node import endpoint_for
+from verify.checks import check_invariants, check_missed_rounds
+from verify.report import summary
+from verify.schedule import KINDS, SERVER_KINDS, fault_schedule, schedule_digest
 
 # ------------------------------------------------------------------------------- schedule
 
@@ -295,7 +282,7 @@ def test_replaced_waiter_never_returns_its_replacements_round(agent, prefix, tmp
         pending.update(run.start([run.node("d", settings)]))
         results = run.gather(pending, timeout=15)
         assert results["x"].participants == results["c"].participants
-        with pytest.raises(RendezvousStateError):  # replaced: it stops (docs/protocol.md)
+        with pytest.raises(RendezvousReplacedError):  # it stops (docs/protocol.md)
             got = old_result.result(timeout=15)
             pytest.fail(f"the replaced process returned round {got.round} as rank {got.rank}, "
                         f"the round of its replacement (seal {got.seal_id}, the same as "

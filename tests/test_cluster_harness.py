@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from consul_rdzv.errors import ConsulError, ConsulPermissionDenied
-from consul_rdzv.testing import (
+from consul_testing import (
     ClusterMember,
     ConsulCluster,
     PartitionUnsupported,

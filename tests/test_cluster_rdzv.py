@@ -39,7 +39,7 @@ from consul_rdzv.config import ConsulConfig
 from consul_rdzv.errors import ConsulError, RendezvousConnectionError, RendezvousError
 from consul_rdzv.rendezvous import ConsulRendezvous, RoundResult
 from consul_rdzv.settings import RendezvousSettings
-from consul_rdzv.testing import ClusterMember, ConsulCluster
+from consul_testing import ClusterMember, ConsulCluster
 
 #: A check TTL far longer than Consul's failure detection on this cluster (about 1.5 s): what
 #: happens well within it is not a lapsed check.

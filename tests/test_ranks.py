@@ -1,12 +1,15 @@
-"""Pure logic, no Consul: rank policies (ranks.py) and the coordinator's and the watch's
-decisions (planning.py: plan_round, count_waiting, round_broken, active_participants, the round
-size limit) on hand-built run states."""
+"""Pure logic, no Consul: rank policies (ranks.py), the coordinator's and the watch's decisions
+(planning.py: plan_round, count_waiting, round_broken, active_participants, the round size limit)
+on hand-built run states, and the member value's encoding (layout.py)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from consul_rdzv.layout import Member, Round, RunState
+from consul_rdzv.client import KVEntry
+from consul_rdzv.layout import FORMAT_VERSION, Member, Round, RunState
 from consul_rdzv.planning import (
     MAX_TXN_BYTES,
     MemberView,
@@ -152,7 +155,7 @@ def test_plan_waits_while_a_participant_of_the_round_is_still_in_it():
     current = Round(round=1, ranks=["a", "b"], members_index=100)
     s = state([member("a", 10, 150), member("b", 11, 50)], current)
     plan = plan_round(s, settings(1, 2), now=1000.0, quorum_since=None)
-    assert plan.seal is None and plan.wait_until is None
+    assert plan.seal is None and plan.quorum_since is None  # no last call runs meanwhile
     assert "b" in plan.reason and "round 1" in plan.reason
 
 
@@ -187,7 +190,7 @@ def test_plan_last_call_when_someone_new_and_room_left():
     members = [member("a", 10, 110), member("b", 11, 111), member("new", 105)]
     cfg = settings(2, 4, last_call_timeout=5.0)
     plan = plan_round(state(members, current), cfg, now=1000.0, quorum_since=None)
-    assert plan.seal is None and plan.quorum_since == 1000.0 and plan.wait_until == 1005.0
+    assert plan.seal is None and plan.quorum_since == 1000.0
     assert "last call" in plan.reason
     plan = plan_round(state(members, current), cfg, now=1004.9, quorum_since=1000.0)
     assert plan.seal is None and plan.quorum_since == 1000.0
@@ -224,8 +227,11 @@ def test_plan_explicit_seals_the_ranks_before_a_gap_without_a_last_call():
 
 def test_plan_after_close_marker_without_round_is_a_first_round():
     s = state([member("a", 10), member("b", 11)], Round(closed={"reason": "x"}))
-    plan = plan_round(s, settings(1, 3, last_call_timeout=5.0), now=1.0, quorum_since=None)
-    assert plan.seal is None and plan.wait_until == 6.0
+    cfg = settings(1, 3, last_call_timeout=5.0)
+    plan = plan_round(s, cfg, now=1.0, quorum_since=None)
+    assert plan.seal is None and plan.quorum_since == 1.0 and "last call" in plan.reason
+    assert plan_round(s, cfg, now=5.9, quorum_since=1.0).seal is None
+    assert plan_round(s, cfg, now=6.0, quorum_since=1.0).seal == ["a", "b"]
 
 
 # ----------------------------------------------------------------------------- count_waiting
@@ -281,6 +287,32 @@ def test_round_broken_names_gone_and_rewritten_participants():
     views = {"a": MemberView(90), "b": MemberView(140), "x": MemberView(150)}
     assert round_broken(views, ["a", "b", "c"], 100) == ["b", "c"]
     assert round_broken(views, ["a"], 100) == []
+
+
+# ----------------------------------------------------------------------------- member value
+
+
+def _entry(value: bytes) -> KVEntry:
+    return KVEntry(key="p/r/members/a", value=value, create_index=7, modify_index=9,
+                   lock_index=1, flags=0, session="s-a")
+
+
+def test_member_value_round_trips_without_a_nonce():
+    written = Member(node="a", host="h", pid=3, want=2, meta={"zone": "z1"},
+                     incarnation="i-1", started=5.0, min_nodes=1, max_nodes=4)
+    assert "nonce" not in json.loads(written.encode())
+    read = Member.decode(_entry(written.encode()))
+    assert read == written
+    assert (read.create_index, read.modify_index, read.session) == (7, 9, "s-a")
+
+
+def test_member_value_of_an_older_release_with_a_nonce_still_decodes():
+    older = {"v": FORMAT_VERSION, "node": "a", "host": "h", "pid": 3, "want": 0, "rank": None,
+             "endpoint": None, "meta": {}, "nonce": "0f" * 16, "incarnation": "i-1",
+             "started": 5.0, "min_nodes": 1, "max_nodes": 4}
+    read = Member.decode(_entry(json.dumps(older).encode()))
+    assert read == Member(node="a", host="h", pid=3, incarnation="i-1", started=5.0,
+                          min_nodes=1, max_nodes=4)
 
 
 # ----------------------------------------------------------------------------- round size

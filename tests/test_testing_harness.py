@@ -1,14 +1,23 @@
-"""The real-agent harness: the binary it finds, agents side by side, restart with empty state."""
+"""The real-agent harness: the binary it finds, the installed dev agent (side by side, nothing but
+what the CLI needs), and the test agent's variants and restart with empty state."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import time
 
 import pytest
 
-from consul_rdzv.testing import CONSUL_VERSION, ConsulAgent, ConsulBinaryError, consul_binary
+from consul_rdzv.testing import (
+    CONSUL_VERSION,
+    ConsulBinaryError,
+    consul_binary,
+    main,
+)
+from consul_rdzv.testing import ConsulAgent as DevAgent
+from consul_testing import ConsulAgent
 
 
 def test_consul_binary_returns_executable_of_at_least_1_14_if_available():
@@ -41,8 +50,20 @@ def test_consul_binary_raises_binary_error_if_consul_bin_is_unusable(monkeypatch
     assert str(path) in str(info.value)
 
 
-def test_consul_agents_run_side_by_side_if_started_together(tmp_path):
-    with ConsulAgent() as one, ConsulAgent() as two:
+def test_main_prints_the_binary_path_if_asked_for_path(capsys):
+    assert main(["path"]) == 0
+    assert capsys.readouterr().out.strip() == consul_binary(build=False)
+
+
+@pytest.mark.parametrize("argv", [["build"], ["path", "extra"]])
+def test_main_refuses_an_unknown_argument_with_its_usage(capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "usage: python -m consul_rdzv.testing [path]" in err and argv[-1] in err
+
+
+def test_dev_agents_run_side_by_side_if_started_together(tmp_path):
+    with DevAgent() as one, DevAgent() as two:
         assert one.port != two.port
         assert one.proc.poll() is None and two.proc.poll() is None
         c1, c2 = one.client(), two.client()
@@ -56,6 +77,17 @@ def test_consul_agents_run_side_by_side_if_started_together(tmp_path):
             c1.close()
             c2.close()
     assert one.proc is None and two.proc is None  # stopped on exit
+    assert not one.workdir.exists()  # its own temporary directory is removed
+
+
+def test_installed_dev_agent_has_no_test_variants_or_failure_injection():
+    """The package ships what ``consul-rdzv agent`` and ``demo`` need; tests get the rest."""
+    for name in ("kill", "restart", "freeze", "thaw"):
+        assert not hasattr(DevAgent, name) and callable(getattr(ConsulAgent, name)), name
+    for name in ("acl", "tls", "verify_incoming"):
+        assert name not in inspect.signature(DevAgent).parameters, name
+        assert name in inspect.signature(ConsulAgent).parameters, name
+    assert issubclass(ConsulAgent, DevAgent)
 
 
 def test_consul_agent_restart_comes_back_on_same_port_with_empty_kv_if_dev_agent():

@@ -1,11 +1,11 @@
-"""A seeded, randomized fault campaign on a real Consul cluster (issue 12).
+"""A seeded, randomized fault campaign on a real Consul cluster: the verification suite.
 
-    python -m bench.campaign --seed 7 --rounds 500 [--nodes 6] [--out report.json]
-    python -m bench.campaign --seed 7 --schedule-only 20    # print the fault schedule only
-    python -m bench.campaign --seed 0 --check-events LOGS/events.jsonl   # check a recorded run
+    python -m verify.campaign --seed 7 --rounds 500 [--nodes 6] [--out report.json]
+    python -m verify.campaign --seed 7 --schedule-only 20    # print the fault schedule only
+    python -m verify.campaign --seed 0 --check-events LOGS/events.jsonl   # check a recorded run
 
-What runs: a :class:`~consul_rdzv.testing.ConsulCluster` (3 servers and 3 client agents, each on
-its own 127.X.Y.Z), ``--nodes`` real node processes (``bench/campaign_node.py``: protocol level,
+What runs: a :class:`~consul_testing.ConsulCluster` (3 servers and 3 client agents, each on
+its own 127.X.Y.Z), ``--nodes`` real node processes (``verify/campaign_node.py``: protocol level,
 no torch) spread over the client agents, each joining rounds back to back with a short random
 "training" time between, a watcher that records every value of ``P/round/current`` (consistent
 blocking reads, from whichever server answers), and a fault injector. A killed node process is
@@ -67,20 +67,14 @@ from __future__ import annotations
 
 import argparse
 import base64
-import bisect
 import contextlib
 import dataclasses
-import hashlib
 import heapq
 import itertools
 import json
-import math
 import os
-import platform
-import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -88,41 +82,23 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from bench.servers import cpu_model
 from consul_rdzv.client import ConsulClient
 from consul_rdzv.errors import ConsulError
 from consul_rdzv.layout import Keys
-from consul_rdzv.testing import CONSUL_VERSION, ClusterMember, ConsulCluster
+from consul_testing import ClusterMember, ConsulCluster
 
 from .campaign_node import EXIT_REPLACED, endpoint_for
+from .checks import check_events_file, seal_of
+from .report import build_report, loadavg, summary
+from .schedule import KINDS, SERVER_KINDS, FaultSpec, fault_schedule, pick, schedule_digest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: Fault kinds and their weights in the schedule (see the module docstring).
-KINDS: dict[str, float] = {
-    "worker_kill_training": 2.0,
-    "worker_kill_joining": 2.0,
-    "worker_freeze_short": 1.0,
-    "worker_freeze_long": 1.0,
-    "coordinator_kill": 2.0,
-    "worker_replace": 1.0,
-    "leader_server_kill": 3.0,
-    "leader_kill_at_seal": 2.0,
-    "server_restart": 1.5,
-    "client_agent_kill": 1.5,
-}
-SERVER_KINDS = frozenset({"leader_server_kill", "leader_kill_at_seal", "server_restart"})
-NODE_KILL_KINDS = frozenset({"worker_kill_training", "worker_kill_joining", "coordinator_kill"})
-#: No server fault is planned before the previous one's server has been back this long (it
-#: catches up, a leader settles): server faults never overlap, so the quorum holds.
-SERVER_SETTLE = 10.0
-#: Likewise for client agents: one agent down at a time.
-AGENT_SETTLE = 3.0
 #: A fault whose target cannot be found (no node joining, no coordinator, a server still down)
 #: is tried again for this long after its planned time, then counted as skipped.
 DEFER_MAX = 15.0
@@ -132,284 +108,12 @@ LATE_SHIFT = 1.0
 REPLACED_EXIT_WITHIN = 30.0
 
 
-def _duration_range(kind: str, heartbeat: float) -> tuple[float, float]:
-    """Seconds: the freeze, the down time of an agent, or the delay before a killed node's
-    replacement starts."""
-    if kind == "worker_freeze_short":
-        return 0.2 * heartbeat, 0.7 * heartbeat
-    if kind == "worker_freeze_long":
-        return 1.5 * heartbeat, 3.0 * heartbeat
-    if kind == "worker_replace":
-        return 0.5 * heartbeat, 2.5 * heartbeat
-    if kind in ("leader_server_kill", "leader_kill_at_seal"):
-        return 1.0, 6.0
-    if kind == "server_restart":
-        return 0.5, 4.0
-    if kind == "client_agent_kill":
-        return 1.0, 6.0
-    return 0.2, 3.0  # a killed node's replacement
-
-
-# ----------------------------------------------------------------------------------- schedule
-
-
-@dataclass(frozen=True)
-class FaultSpec:
-    """One planned fault, drawn from the seed alone.
-
-    ``at``: seconds after the campaign's first round. ``pick`` chooses the target among the
-    candidates found at run time (sorted by slot, or the servers / client agents in order);
-    ``duration`` see :func:`_duration_range`; ``same_id`` and ``agent_pick``: a killed node's
-    replacement keeps its node id or gets a new one, and talks to the client agent
-    ``agent_pick`` chooses.
-    """
-
-    index: int
-    at: float
-    kind: str
-    pick: float
-    duration: float
-    same_id: bool
-    agent_pick: float
-
-
-def fault_schedule(seed: int, *, gap: tuple[float, float] = (2.0, 7.0),
-                   heartbeat: float = 2.0,
-                   kinds: dict[str, float] | None = None) -> Iterator[FaultSpec]:
-    """The endless fault schedule of ``seed``: the same seed, the same sequence.
-
-    Each fault draws the same five numbers whatever its kind, so the sequence depends on nothing
-    but the seed and the arguments. Server faults are spaced so that they never overlap (see
-    :data:`SERVER_SETTLE`), client agent kills likewise.
-    """
-    weights = dict(kinds if kinds is not None else KINDS)
-    if not weights or any(k not in KINDS for k in weights):
-        raise ValueError(f"unknown fault kinds: {sorted(set(weights) - set(KINDS))}")
-    rng = random.Random(seed)
-    at = 0.0
-    server_free = agent_free = 0.0
-    index = 0
-    while True:
-        at += rng.uniform(*gap)
-        u_kind, pick, u_duration, same, agent_pick = (rng.random() for _ in range(5))
-        allowed = {k: w for k, w in weights.items()
-                   if not (k in SERVER_KINDS and at < server_free)
-                   and not (k == "client_agent_kill" and at < agent_free)}
-        if not allowed:
-            continue
-        kind = _weighted(allowed, u_kind)
-        lo, hi = _duration_range(kind, heartbeat)
-        duration = lo + u_duration * (hi - lo)
-        if kind in SERVER_KINDS:
-            server_free = at + duration + SERVER_SETTLE
-        elif kind == "client_agent_kill":
-            agent_free = at + duration + AGENT_SETTLE
-        yield FaultSpec(index=index, at=round(at, 3), kind=kind, pick=round(pick, 6),
-                        duration=round(duration, 3), same_id=same < 0.5,
-                        agent_pick=round(agent_pick, 6))
-        index += 1
-
-
-def _weighted(weights: dict[str, float], u: float) -> str:
-    total = sum(weights.values())
-    acc = 0.0
-    for kind, weight in weights.items():
-        acc += weight / total
-        if u < acc:
-            return kind
-    return next(reversed(weights))
-
-
-def schedule_digest(specs: Iterable[FaultSpec]) -> str:
-    """SHA-256 (first 16 hex digits) of a schedule prefix: equal seeds give equal digests."""
-    text = json.dumps([dataclasses.asdict(s) for s in specs], sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _pick(candidates: list, u: float):
-    return candidates[min(int(u * len(candidates)), len(candidates) - 1)]
-
-
-# ----------------------------------------------------------------------------------- invariants
-
-
-def _seal_of(values: dict) -> dict:
-    """The sealed content of a round, from a node's report or a ``P/round/current`` value."""
-    ranks = values.get("participants", values.get("ranks")) or []
-    return {"round": values.get("round"), "ranks": list(ranks),
-            "hosts": list(values.get("hosts") or []), "store": values.get("store"),
-            "members_index": values.get("members_index"),
-            "coordinator": values.get("coordinator"), "seal_id": values.get("seal_id")}
-
-
-def _key(seal: dict) -> str:
-    return json.dumps(seal, sort_keys=True)
-
-
-def check_invariants(reports: list[dict], consul_values: list[dict],
-                     endpoints: dict[int, dict], node_of: dict[int, str], *,
-                     min_nodes: int, max_nodes: int) -> list[dict]:
-    """Every violation of the round invariants in a campaign's records (empty: none).
-
-    ``reports``: the ``round`` events of the node processes, in the order each process printed
-    them, each with its process ``serial``; ``consul_values``: every value of
-    ``P/round/current`` the watcher saw, in order (``{"recv", "modify_index", "value"}``);
-    ``endpoints``: the trainer-store endpoint each process advertised; ``node_of``: each
-    process's node id. A violation is ``{"kind", "round", "detail", "evidence"}``.
-    """
-    violations: list[dict] = []
-
-    def violation(kind: str, round_no, detail: str, **evidence) -> None:
-        violations.append({"kind": kind, "round": round_no, "detail": detail,
-                           "evidence": evidence})
-
-    endpoints_of: dict[str, list[dict]] = defaultdict(list)
-    for serial, endpoint in endpoints.items():
-        endpoints_of[node_of[serial]].append(endpoint)
-
-    # The content of each round number, from every source.
-    contents: dict[int, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-    checked: set[str] = set()
-
-    def check_seal(seal: dict, source: str) -> None:
-        contents[seal["round"]][_key(seal)].append(source)
-        if _key(seal) in checked:
-            return
-        checked.add(_key(seal))
-        ranks, number = seal["ranks"], seal["round"]
-        if not ranks or len(set(ranks)) != len(ranks):
-            violation("ranks", number, f"round {number} ranks are not unique node ids: {ranks}",
-                      seal=seal, source=source)
-        if not min_nodes <= len(ranks) <= max_nodes:
-            violation("world_size", number, f"round {number} has W={len(ranks)} outside "
-                      f"[{min_nodes}, {max_nodes}]", seal=seal, source=source)
-        if seal["hosts"] != ranks:  # a campaign node's host is its node id
-            violation("hosts", number, f"round {number} hosts {seal['hosts']} do not match "
-                      f"its ranks {ranks}", seal=seal, source=source)
-        if ranks and seal["store"] not in endpoints_of.get(ranks[0], []):
-            violation("store_endpoint", number, f"round {number} store {seal['store']} is no "
-                      f"endpoint rank 0 ({ranks[0]}) ever advertised", seal=seal, source=source,
-                      advertised=endpoints_of.get(ranks[0], []))
-
-    for value in consul_values:
-        v = value.get("value") or {}
-        if v.get("closed"):
-            violation("run_closed", v.get("round"), f"the run was closed: {v['closed']}",
-                      value=value)
-        if v.get("ranks"):
-            check_seal(_seal_of(v), f"consul@{value.get('modify_index')}")
-
-    last_round: dict[int, int] = {}
-    in_round: dict[tuple[int, str], set[int]] = defaultdict(set)
-    for report in reports:
-        serial, node, number = report["serial"], report["node_id"], report["round"]
-        seal = _seal_of(report)
-        check_seal(seal, f"{node}/p{serial}")
-        ranks, rank = seal["ranks"], report.get("rank")
-        if node not in ranks:
-            violation("not_a_participant", number, f"{node}/p{serial} got round {number} "
-                      f"that does not list it: {ranks}", report=report)
-        elif report.get("world_size") != len(ranks) or rank != ranks.index(node):
-            violation("ranks", number, f"{node}/p{serial} got rank {rank} of "
-                      f"{report.get('world_size')} in round {number}; participants {ranks}",
-                      report=report)
-        if ranks and ranks[0] == node and seal["store"] != endpoints.get(serial):
-            violation("store_endpoint", number, f"{node}/p{serial} is rank 0 of round {number} "
-                      f"but the store is {seal['store']}, not its endpoint "
-                      f"{endpoints.get(serial)}", report=report)
-        previous = last_round.get(serial)
-        if previous is not None and number <= previous:
-            violation("round_not_increasing", number, f"{node}/p{serial} returned round "
-                      f"{number} after round {previous}", report=report)
-        last_round[serial] = number
-        in_round[(number, node)].add(serial)
-
-    for (number, node), serials in sorted(in_round.items()):
-        if len(serials) > 1:
-            violation("node_twice_in_round", number, f"processes {sorted(serials)} of node id "
-                      f"{node} were all in round {number}", serials=sorted(serials))
-
-    for number, seen in sorted(contents.items()):
-        if len(seen) > 1:
-            seal_ids = {json.loads(k)["seal_id"] for k in seen}
-            kind = "sealed_twice" if len(seal_ids) > 1 else "disagreement"
-            violation(kind, number, f"round {number} has {len(seen)} different contents "
-                      f"({len(seal_ids)} seal ids)",
-                      contents={k: sorted(set(v))[:12] for k, v in seen.items()})
-
-    highest = 0
-    for value in consul_values:
-        number = (value.get("value") or {}).get("round") or 0
-        if (value.get("value") or {}).get("ranks"):
-            if number < highest:
-                violation("round_went_back", number, f"P/round/current went from round "
-                          f"{highest} back to {number}", value=value)
-            highest = max(highest, number)
-    return violations
-
-
-def check_missed_rounds(consul_values: list[dict],
-                        member_history: dict[str, list[tuple[float, int | None, str | None]]],
-                        serial_of: dict[str, int], reports: list[dict],
-                        unavailable: dict[int, list[tuple[float, float]]], *,
-                        until: float, margin: float = 20.0) -> list[dict]:
-    """Liveness: a node process that did not return a sealed round meant for it.
-
-    A round is meant for a process when it lists its node and its ``members_index`` covers the
-    process's current member write (the acceptance rule of docs/protocol.md). Flagged when the
-    process reported neither that round nor a later one within ``margin`` seconds of the round
-    becoming readable (the watcher saw it), although for that whole window it ran, was not
-    frozen, its client agent was up (``unavailable``: intervals per process serial when it was
-    not), and its member key stayed unchanged (a node whose session was lost announces again and
-    waits for another round). ``consul_values``: the watcher's values of ``P/round/current``;
-    ``member_history``: each member key's (wall time seen, ModifyIndex or None when deleted,
-    incarnation); ``serial_of``: incarnation id -> process serial; ``reports``: the round events
-    (``serial``, ``round``, ``recv``); ``until``: the end of the records.
-    """
-    reported: dict[int, list[tuple[float, int]]] = defaultdict(list)
-    for r in reports:
-        reported[r["serial"]].append((r["recv"], r["round"]))
-    violations = []
-    for value in consul_values:
-        v = value.get("value") or {}
-        ranks = v.get("ranks") or []
-        opened, closes = value["recv"], value["recv"] + margin
-        if closes > until:
-            continue
-        for node in ranks:
-            history = member_history.get(node, [])
-            at = bisect.bisect_right([h[0] for h in history], opened) - 1
-            if at < 0:
-                continue
-            _, write, incarnation = history[at]
-            serial = serial_of.get(str(incarnation))
-            if write is None or serial is None or (v.get("members_index") or 0) < write:
-                continue
-            if at + 1 < len(history) and history[at + 1][0] < closes:
-                continue  # the key changed: the node announced again
-            if any(a < closes and b > opened for a, b in unavailable.get(serial, [])):
-                continue
-            if any(t <= closes and number >= v.get("round", 0)
-                   for t, number in reported[serial]):
-                continue
-            violations.append({
-                "kind": "own_round_missed", "round": v.get("round"),
-                "detail": f"{node}/p{serial} did not return round {v.get('round')} (sealed "
-                          f"{v.get('sealed_at', 0):.3f} by {v.get('coordinator')}, readable "
-                          f"from {opened:.3f}, members_index {v.get('members_index')}) within "
-                          f"{margin:g}s, although the round covers its member write {write} "
-                          "and it ran, unfrozen, its agent up, its key unchanged",
-                "evidence": {"seal": v, "serial": serial, "write": write,
-                             "reports_after": [x for x in reported[serial] if x[0] >= opened][:3]}})
-    return violations
-
-
 # ----------------------------------------------------------------------------------- the run
 
 
 @dataclass
 class CampaignConfig:
-    """Everything a campaign run depends on (see ``python -m bench.campaign --help``)."""
+    """Everything a campaign run depends on (see ``python -m verify.campaign --help``)."""
 
     seed: int
     rounds: int
@@ -552,7 +256,7 @@ class Campaign:
             return
         timings = values.get("timings") or {}
         self.seals[seal_id] = {
-            **_seal_of(values), "sealed_at": values.get("sealed_at", timings.get("sealed")),
+            **seal_of(values), "sealed_at": values.get("sealed_at", timings.get("sealed")),
             "first_seen": time.time(), "source": source,
         }
         self.last_seal_seen = time.monotonic()
@@ -563,7 +267,7 @@ class Campaign:
         serial = next(self._serials)
         cfg = self.cfg
         log_path = self.log_dir / "nodes" / f"{node_id}.p{serial}.log"
-        cmd = [sys.executable, "-m", "bench.campaign_node", "--run-id", self.run_id,
+        cmd = [sys.executable, "-m", "verify.campaign_node", "--run-id", self.run_id,
                "--key-prefix", self.prefix, "--node-id", node_id, "--serial", str(serial),
                "--min", str(cfg.min_nodes), "--max", str(cfg.max_nodes),
                "--heartbeat", str(cfg.heartbeat), "--last-call", str(cfg.last_call),
@@ -850,7 +554,7 @@ class Campaign:
             candidates = [p for p in self.live() if p.state == want]
             if not candidates:
                 return f"no node is {want}"
-            target = _pick(candidates, spec.pick)
+            target = pick(candidates, spec.pick)
             return self._kill_node(spec, target, {"state": target.state})
         if kind == "coordinator_kill":
             node = self._leader_node()
@@ -868,7 +572,7 @@ class Campaign:
             candidates = self.live()
             if not candidates:
                 return "no live node"
-            target = _pick(candidates, spec.pick)
+            target = pick(candidates, spec.pick)
             fault = Fault(spec, time.time(), target.name, {"state": target.state},
                           [Affected(target.node_id, target.serial)])
             self._signal(target, signal.SIGSTOP)
@@ -882,13 +586,13 @@ class Campaign:
             candidates = [p for p in self.live() if p.state != "starting"]
             if not candidates:
                 return "no live node"
-            target = _pick(candidates, spec.pick)
+            target = pick(candidates, spec.pick)
             self._signal(target, signal.SIGSTOP)
             target.frozen = True
             fault = Fault(spec, time.time(), target.name, {"state": target.state},
                           [Affected(target.node_id)])
             self.faults.append(fault)
-            agent = _pick(self.cluster.clients, spec.agent_pick)
+            agent = pick(self.cluster.clients, spec.agent_pick)
             self._restart_node(target.slot, target.node_id, agent, fault)
             target.replaced_by = fault.affected[0].serial
             fault.detail.update(replacement=f"p{target.replaced_by}", agent=agent.name,
@@ -918,14 +622,14 @@ class Campaign:
                     return "no leader"
                 target.kill()
             else:
-                target = _pick(self.cluster.servers, spec.pick)
+                target = pick(self.cluster.servers, spec.pick)
                 target.stop()
             return self._member_fault(spec, target, "kill" if kind == "leader_server_kill"
                                       else "stop", [])
         if kind == "client_agent_kill":
             if any(not c.running for c in self.cluster.clients):
                 return "a client agent is still down"
-            target = _pick(self.cluster.clients, spec.pick)
+            target = pick(self.cluster.clients, spec.pick)
             with self.lock:
                 on_it = [p for p in self.procs.values()
                          if p.agent is target and p.running and not p.killed]
@@ -956,7 +660,7 @@ class Campaign:
             else:
                 self._new_ids[target.slot] += 1
                 node_id = f"n{target.slot}-{self._new_ids[target.slot]}"
-            agent = _pick(self.cluster.clients, spec.agent_pick)
+            agent = pick(self.cluster.clients, spec.agent_pick)
             fault.detail.update(replacement_id=node_id, agent=agent.name)
             self.after(spec.duration, f"restart {node_id}",
                        lambda: self._restart_node(target.slot, node_id, agent, fault))
@@ -1093,8 +797,8 @@ class Campaign:
         self._stop.set()
         for thread in self._threads:
             thread.join(15)
-        return self.report(stop_reason, fault_phase, time.monotonic() - began, converged,
-                           restored)
+        return build_report(self, stop_reason, fault_phase, time.monotonic() - began,
+                            converged, restored)
 
     def _converge(self, since: float) -> dict | None:
         """Wait for a round sealed after ``since`` with every live node (as many as fit) that
@@ -1136,7 +840,7 @@ class Campaign:
 
     def _progress(self) -> str:
         kinds = Counter(f.spec.kind for f in self.faults)
-        load = _loadavg()
+        load = loadavg()
         return (f"{len(self.seals)} rounds, {len(self.faults)} faults "
                 f"({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}), "
                 f"{len(self.errors)} node errors, load {load}")
@@ -1147,245 +851,11 @@ class Campaign:
         with self.lock:
             self._events.close()
 
-    # ------------------------------------------------------------------ figures
-
-    def report(self, stop_reason: str, fault_phase: float, duration: float,
-               converged: dict | None, restored: float) -> dict:
-        cfg = self.cfg
-        with self.lock:
-            reports = sorted(self.reports, key=lambda r: (r["serial"], r["recv"]))
-            endpoints = {p.serial: p.endpoint for p in self.procs.values()}
-            node_of = {p.serial: p.node_id for p in self.procs.values()}
-            violations = check_invariants(reports, list(self.consul_values), endpoints,
-                                          node_of, min_nodes=cfg.min_nodes,
-                                          max_nodes=cfg.max_nodes)
-            missed = check_missed_rounds(
-                list(self.consul_values), dict(self.member_history), dict(self.incarnations),
-                reports, self._unavailable(), until=time.time())
-            violations += missed
-            violations += self.liveness
-            seals = sorted(self.seals.values(), key=lambda s: s["sealed_at"] or 0)
-        reported: dict[str, list[dict]] = defaultdict(list)
-        for r in reports:
-            reported[r["seal_id"]].append(r)
-        complete = sum(1 for s in seals
-                       if {r["node_id"] for r in reported[s["seal_id"]]} >= set(s["ranks"]))
-        intervals = [b["sealed_at"] - a["sealed_at"] for a, b in itertools.pairwise(seals)
-                     if a["sealed_at"] and b["sealed_at"]]
-        joins = [r["timings"]["released"] - r["timings"]["join_started"] for r in reports
-                 if "released" in r.get("timings", {})]
-        recovery, per_fault = self._recovery(seals, reported)
-        return {
-            "seed": cfg.seed,
-            "config": {**dataclasses.asdict(cfg), "kinds": cfg.kinds},
-            "stop_reason": stop_reason,
-            "duration_s": round(duration, 1),
-            "fault_phase_s": round(fault_phase, 1),
-            "machine": _machine(),
-            "load_1min": _stats(self.loads),
-            "schedule_shift_s": round(self.schedule_shift, 1),
-            "rounds": {
-                "sealed": len(seals),
-                "reported_by_every_participant": complete,
-                "highest_round_number": max((s["round"] for s in seals), default=0),
-                "world_sizes": dict(sorted(Counter(len(s["ranks"]) for s in seals).items())),
-                "reports": len(reports),
-                "seal_interval_s": _stats(intervals),
-                "join_s": _stats(joins),
-                "consul_values_seen": len(self.consul_values),
-                "watch_failures": self.watch_failures,
-            },
-            "faults": {
-                "injected": len(self.faults),
-                "by_kind": dict(sorted(Counter(f.spec.kind for f in self.faults).items())),
-                "skipped_by_kind": dict(sorted(Counter(s["kind"] for s in self.skipped).items())),
-                "skipped": self.skipped,
-                "schedule_consumed": len(self.consumed_specs),
-                "schedule_digest": schedule_digest(self.consumed_specs),
-                "list": per_fault,
-            },
-            "recovery_s": recovery,
-            "violations": {
-                "count": len(violations),
-                "by_kind": dict(sorted(Counter(v["kind"] for v in violations).items())),
-                "list": violations[:200],
-            },
-            "errors": self._errors_summary(missed),
-            "unexpected_exits": self.exits,
-            "replaced_processes": {
-                "stopped": len(self.replaced_exits),
-                "exit_codes": dict(Counter(str(e["code"]) for e in self.replaced_exits)),
-                "after_thaw_s": _stats([e["after_thaw"] for e in self.replaced_exits
-                                        if e["after_thaw"] is not None]),
-            },
-            "anomalies": self.anomalies,
-            "converged": converged,
-            "downtime": self.downtime,
-            "processes": len(self.procs),
-        }
-
-    def _recovery(self, seals: list[dict], reported: dict[str, list[dict]]
-                  ) -> tuple[dict, list[dict]]:
-        """Seconds from each fault to the next round sealed without an affected node or joined
-        by its live process; p50/p99/max per kind."""
-        per_kind: dict[str, list[float]] = defaultdict(list)
-        unrecovered: Counter[str] = Counter()
-        rows = []
-        for fault in self.faults:
-            seconds = None
-            for seal in seals:
-                if not seal["sealed_at"] or seal["sealed_at"] <= fault.applied:
-                    continue
-                if all(_back(a, seal, reported[seal["seal_id"]]) for a in fault.affected):
-                    seconds = seal["sealed_at"] - fault.applied
-                    break
-            if seconds is None:
-                unrecovered[fault.spec.kind] += 1
-            else:
-                per_kind[fault.spec.kind].append(seconds)
-            rows.append({"index": fault.spec.index, "kind": fault.spec.kind,
-                         "planned_at": fault.spec.at, "applied": fault.applied,
-                         "target": fault.target, "duration": fault.spec.duration,
-                         "detail": fault.detail,
-                         "affected": [dataclasses.asdict(a) for a in fault.affected],
-                         "recovery_s": None if seconds is None else round(seconds, 3)})
-        table = {}
-        for kind in sorted(set(per_kind) | set(unrecovered)):
-            table[kind] = {**_stats(per_kind[kind]), "unrecovered": unrecovered[kind]}
-        everything = [s for v in per_kind.values() for s in v]
-        table["all"] = {**_stats(everything), "unrecovered": sum(unrecovered.values())}
-        return table, rows
-
-    def _unavailable(self) -> dict[int, list[tuple[float, float]]]:
-        """Per process serial, when it could not act: not started or gone, frozen, its agent
-        down."""
-        never = float("inf")
-        spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
-        for proc in self.procs.values():
-            spans[proc.serial].append((0.0, proc.started))
-            if proc.killed or proc.exit_code is not None or not proc.running:
-                spans[proc.serial].append((proc.exited or proc.started, never))
-            for down in self.downtime:
-                if down["member"] == proc.agent.name:
-                    spans[proc.serial].append((down["down"], down["up"] or never))
-        for fault in self.faults:
-            if fault.spec.kind.startswith(("worker_freeze", "worker_replace")):
-                serial = int(fault.target.rsplit("/p", 1)[1])
-                thawed = self.procs[serial].thawed  # (a replacement's start is fault.ended)
-                spans[serial].append((fault.applied, thawed or never))
-            if fault.spec.kind in NODE_KILL_KINDS:
-                serial = int(fault.target.rsplit("/p", 1)[1])
-                spans[serial].append((fault.applied, never))
-        return spans
-
-    def _errors_summary(self, missed: list[dict]) -> dict:
-        """Errors by type: count, an example, and their circumstances (:meth:`_why`)."""
-        flagged = {v["evidence"]["serial"] for v in missed}
-        by_type: dict[str, dict] = {}
-        for error in self.errors:
-            entry = by_type.setdefault(error["type"], {"count": 0, "why": Counter(),
-                                                       "typed": error.get("typed", True),
-                                                       "example": error.get("message", "")[:600]})
-            entry["count"] += 1
-            if error["serial"] in flagged and "Timeout" in error["type"]:
-                why = "VIOLATION own_round_missed: it did not return a round meant for it"
-            else:
-                why = self._why(error)
-            entry["why"][why] += 1
-        for entry in by_type.values():
-            entry["why"] = dict(entry["why"].most_common())
-        return by_type
-
-    def _why(self, error: dict) -> str:
-        """The circumstances of a node's error, from the fault timeline."""
-        message = error.get("message", "")
-        start, end = error.get("join_t") or error["t"], error["t"]
-        if "replaced by a newer process" in message:
-            return "replaced by a newer process (worker_replace): the stop the protocol asks for"
-        if "serfHealth" in message:
-            return ("session refused: the servers saw its client agent failed (serfHealth "
-                    "critical), not retried")
-        overlapping = [d for d in self.downtime
-                       if d["down"] <= end and (d["up"] is None or d["up"] >= start)]
-        if any(d["member"] == error["agent"] for d in overlapping):
-            return "its client agent was down"
-        servers = [d for d in overlapping if d["server"]]
-        if _most_at_once(servers, start, end) >= 2:
-            return "two servers were down at once (quorum lost)"
-        frozen = [f for f in self.faults
-                  if f.target == f"{error['node_id']}/p{error['serial']}"
-                  and f.spec.kind.startswith(("worker_freeze", "worker_replace"))
-                  and f.applied <= end and (f.ended or end) >= start]
-        if frozen:
-            return "this node was frozen during the join"
-        if servers:
-            return "a server was down or restarting during the join"
-        latest = max((s for s in self.seals.values() if (s["sealed_at"] or 0) <= end),
-                     key=lambda s: s["round"], default=None)
-        if ("waits for room" in message and latest is not None
-                and error["node_id"] not in latest["ranks"]):
-            return "a spare: the round was full (max_nodes) and nobody left"
-        if "Timeout" in error["type"]:
-            return "join timeout, no fault of its agent or the servers during the join"
-        return "other"
-
-
-def _most_at_once(intervals: list[dict], start: float, end: float) -> int:
-    """The most of ``intervals`` (``down``/``up`` times; up None: still down) that overlap
-    at one instant of [start, end]."""
-    edges = []
-    for d in intervals:
-        edges += [(max(d["down"], start), 1), (min(d["up"] or end, end), -1)]
-    most = current = 0
-    for _, step in sorted(edges, key=lambda e: (e[0], -e[1])):
-        current += step
-        most = max(most, current)
-    return most
-
-
-def _back(affected: Affected, seal: dict, reports: list[dict]) -> bool:
-    if affected.node_id not in seal["ranks"]:
-        return True
-    if affected.serial is None:
-        return False
-    return any(r["node_id"] == affected.node_id and r["serial"] >= affected.serial
-               for r in reports)
-
-
-def _percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (p99 of fewer than 100 values is the maximum)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
-def _stats(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0}
-    return {"n": len(values), "p50": round(_percentile(values, 0.5), 3),
-            "p99": round(_percentile(values, 0.99), 3), "max": round(max(values), 3),
-            "mean": round(statistics.fmean(values), 3)}
-
 
 def _tail(path: Path, chars: int) -> str:
     with contextlib.suppress(OSError):
         return path.read_text(errors="replace")[-chars:]
     return ""
-
-
-def _loadavg() -> str:
-    with contextlib.suppress(OSError):
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    return "?"
-
-
-def _machine() -> dict:
-    commit = ""
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-    return {"cpus": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform(),
-            "python": platform.python_version(), "consul": CONSUL_VERSION,
-            "loadavg_end": _loadavg(), "commit": commit}
 
 
 # ----------------------------------------------------------------------------------- entry points
@@ -1426,98 +896,6 @@ def run_campaign(cfg: CampaignConfig, *, log_dir: Path | None = None,
             report["logs"] = str(log_dir) if keep or violated else None
         if not (keep or violated):
             shutil.rmtree(log_dir, ignore_errors=True)
-
-
-def summary(report: dict) -> str:
-    """The report as Markdown tables (what docs/campaign.md records)."""
-    r, f, v = report["rounds"], report["faults"], report["violations"]
-    m = report["machine"]
-    lines = [
-        "| figure | value |", "|---|---|",
-        f"| seed | {report['seed']} (schedule: {f['schedule_consumed']} faults drawn, digest "
-        f"`{f['schedule_digest']}`) |",
-        f"| rounds sealed | {r['sealed']} (reported by every participant: "
-        f"{r['reported_by_every_participant']}; highest round number "
-        f"{r['highest_round_number']}) |",
-        f"| world sizes (W: rounds) | "
-        f"{', '.join(f'{w}: {n}' for w, n in r['world_sizes'].items())} |",
-        f"| faults injected | {f['injected']} (skipped: {sum(f['skipped_by_kind'].values())}) |",
-        f"| violations | {v['count']}"
-        + (f" ({', '.join(f'{k} {n}' for k, n in v['by_kind'].items())})" if v["count"] else "")
-        + " |",
-        f"| time between seals | p50 {r['seal_interval_s'].get('p50')} s, p99 "
-        f"{r['seal_interval_s'].get('p99')} s, max {r['seal_interval_s'].get('max')} s |",
-        f"| next_round() duration | p50 {r['join_s'].get('p50')} s, p99 "
-        f"{r['join_s'].get('p99')} s |",
-        f"| after the faults | {_converged(report['converged'])} |",
-        f"| duration | {report['duration_s']} s ({report['fault_phase_s']} s of faults; the "
-        f"injector was held up {report['schedule_shift_s']} s in all) |",
-        f"| load average (1 min, every 5 s) | p50 {report['load_1min'].get('p50')}, max "
-        f"{report['load_1min'].get('max')} |",
-        f"| machine | {m['cpus']} CPUs ({m['cpu']}), {m['platform']}, Python {m['python']}, "
-        f"Consul {m['consul']}, load at the end {m['loadavg_end']}, commit {m['commit']} |",
-        "",
-        "| fault kind | injected | skipped | recovery p50 (s) | p99 (s) | max (s) | unrecovered |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    rec = report["recovery_s"]
-    for kind in [*KINDS, "all"]:
-        injected = f["injected"] if kind == "all" else f["by_kind"].get(kind, 0)
-        skipped = (sum(f["skipped_by_kind"].values()) if kind == "all"
-                   else f["skipped_by_kind"].get(kind, 0))
-        if not injected and not skipped:
-            continue
-        s = rec.get(kind, {"n": 0, "unrecovered": 0})
-        lines.append(f"| {kind} | {injected} | {skipped} | {s.get('p50', '-')} | "
-                     f"{s.get('p99', '-')} | {s.get('max', '-')} | {s.get('unrecovered', 0)} |")
-    lines += ["", "| error raised by nodes | count | circumstances |", "|---|---|---|"]
-    for kind, e in sorted(report["errors"].items(), key=lambda kv: -kv[1]["count"]):
-        why = "; ".join(f"{w}: {n}" for w, n in e["why"].items())
-        lines.append(f"| {kind}{'' if e['typed'] else ' (untyped!)'} | {e['count']} | {why} |")
-    if not report["errors"]:
-        lines.append("| none | 0 | |")
-    rp = report["replaced_processes"]
-    lines += ["", f"Replaced processes stopped: {rp['stopped']} (exit codes {rp['exit_codes']}, "
-              f"seconds after the thaw {rp['after_thaw_s']}); unexpected exits: "
-              f"{len(report['unexpected_exits'])}; anomalies: {len(report['anomalies'])}."]
-    for violation in v["list"][:20]:
-        lines.append(f"- VIOLATION {violation['kind']} (round {violation['round']}): "
-                     f"{violation['detail']}")
-    return "\n".join(lines)
-
-
-def check_events_file(path: Path, *, min_nodes: int, max_nodes: int) -> int:
-    """Check the round invariants (:func:`check_invariants`) of a recorded events.jsonl; print
-    the violations; 1 if any."""
-    reports, values, endpoints, node_of = [], [], {}, {}
-    with open(path) as events:
-        for line in events:
-            event = json.loads(line)
-            kind = event.get("event")
-            if kind == "round":
-                reports.append(event)
-            elif kind == "consul":
-                values.append(event)
-            elif kind == "start":
-                endpoints[event["serial"]] = event["endpoint"]
-                node_of[event["serial"]] = event["node_id"]
-    reports.sort(key=lambda r: (r["serial"], r["recv"]))
-    violations = check_invariants(reports, values, endpoints, node_of, min_nodes=min_nodes,
-                                  max_nodes=max_nodes)
-    rounds = {r["seal_id"] for r in reports} | {
-        v["value"].get("seal_id") for v in values if (v.get("value") or {}).get("ranks")}
-    print(f"{path}: {len(rounds)} sealed rounds, {len(reports)} reports, {len(values)} values "
-          f"of P/round/current, {len(violations)} violation(s)")
-    for violation in violations:
-        print(f"- {violation['kind']} (round {violation['round']}): {violation['detail']}")
-    return 1 if violations else 0
-
-
-def _converged(converged: dict | None) -> str:
-    if converged is None:
-        return "NO full round of the live nodes (liveness violation)"
-    return (f"a full round (round {converged['round']}, W={converged['world_size']}) "
-            f"{converged['seconds']:.2f} s after the cluster was restored")
 
 
 def _pair(text: str) -> tuple[float, float]:

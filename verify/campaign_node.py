@@ -1,6 +1,6 @@
-"""One node of the fault campaign (bench/campaign.py): a process joining rounds back to back.
+"""One node of the fault campaign (verify/campaign.py): a process joining rounds back to back.
 
-    python -m bench.campaign_node --run-id R --key-prefix P --node-id N --serial S \
+    python -m verify.campaign_node --run-id R --key-prefix P --node-id N --serial S \
         --min 2 --max 5 [--heartbeat 2] [--last-call 0.3] [--join-timeout 30] \
         [--consul-timeout 10] [--train-min 0.3] [--train-max 2.0] [--seed 0]
 
@@ -14,8 +14,8 @@ outcome is one JSON line on stdout, stamped with the wall-clock time ``t``:
 * ``{"event": "join"}`` when ``next_round()`` is called;
 * ``{"event": "round", <every RoundResult field>}``;
 * ``{"event": "error", "type", "message"}``: the node goes on with the next round, except after
-  a ``RendezvousStateError`` saying that a newer process took its node id over (it exits 3, as
-  the protocol asks of a replaced process);
+  a ``RendezvousReplacedError`` (a newer process took its node id over: it exits 3, as the
+  protocol asks of a replaced process);
 * ``{"event": "broken", "round", "reason"}`` when a round it trains in breaks.
 
 The trainer-store endpoint it advertises names its node id *and* its serial (one per process,
@@ -37,7 +37,7 @@ import time
 import traceback
 import zlib
 
-from consul_rdzv.errors import RendezvousError, RendezvousStateError
+from consul_rdzv.errors import RendezvousError, RendezvousReplacedError
 from consul_rdzv.rendezvous import ConsulRendezvous
 from consul_rdzv.settings import RendezvousSettings
 
@@ -59,11 +59,6 @@ def emit(event: dict) -> None:
     sys.stdout.flush()
 
 
-def replaced(exc: BaseException) -> bool:
-    """True if ``exc`` says a newer process took this node id over (docs/protocol.md)."""
-    return isinstance(exc, RendezvousStateError) and "replaced by a newer process" in str(exc)
-
-
 def run(node: ConsulRendezvous, rng: random.Random, train_min: float, train_max: float) -> int:
     """Join rounds back to back until killed; the exit status if the node has to stop."""
     while True:
@@ -75,7 +70,7 @@ def run(node: ConsulRendezvous, rng: random.Random, train_min: float, train_max:
                   "typed": isinstance(exc, RendezvousError), "message": str(exc)[:2000],
                   **({} if isinstance(exc, RendezvousError)
                      else {"traceback": traceback.format_exc()[-4000:]})})
-            if replaced(exc):
+            if isinstance(exc, RendezvousReplacedError):  # docs/protocol.md: it stops
                 return EXIT_REPLACED
             time.sleep(rng.uniform(0.05, 0.3))  # as torchrun's agent would, then try again
             continue
