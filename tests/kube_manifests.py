@@ -43,9 +43,9 @@ MIN_KUBERNETES = "1.29"
 #: The name of the training container (the PyTorchJob operator requires ``pytorch``).
 CONTAINER = "pytorch"
 
-#: Measured (docs/kubernetes.md, "Grace period", tests/test_kubernetes_pods.py prints the
-#: figures): from the moment its workers are gone until the agent's node is gone from Consul,
-#: 0.02-0.14 s, and until torchrun has exited, 0.8-1.6 s. The grace period must cover the
+#: Measured (docs/kubernetes.md, "Grace period"; python -m bench.shutdown): from the moment its
+#: workers are gone until the agent's node is gone from Consul, at most 0.1 s, and until
+#: torchrun has exited, 0.8-1.7 s. The grace period must cover the
 #: workers' shutdown (--shutdown-timeout), the leave's own bound (consul_rdzv.torch.LEAVE_AT_EXIT)
 #: and this.
 TORCHRUN_EXIT_ALLOWANCE = 2.0
