@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,20 @@ def main() -> int:
     parser.add_argument("--progress-file", default="",
                         help="append one JSON line per event (start, each step) to this file, so "
                              "that a test can tell when and in which world training runs")
+    parser.add_argument("--sigterm-delay", type=float, default=None,
+                        help="on SIGTERM, go on for this many seconds before exiting, as a worker "
+                             "that writes a checkpoint first would (default: exit at once)")
     args = parser.parse_args()
+    if args.sigterm_delay is not None:
+        delay = args.sigterm_delay
+
+        def slow_exit(signum, frame) -> None:
+            print(f"rank {os.environ.get('RANK')}: SIGTERM, exiting in {delay:g}s",
+                  file=sys.stderr, flush=True)
+            time.sleep(delay)
+            raise SystemExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, slow_exit)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
