@@ -68,7 +68,7 @@ from . import errors
 from .client import ConsulClient
 from .config import ConsulConfig
 from .rendezvous import ConsulRendezvous, RoundResult
-from .settings import RendezvousSettings, settings_from_conf
+from .settings import RendezvousSettings, conf_bool, settings_from_conf
 
 logger = logging.getLogger(__name__)
 
@@ -170,8 +170,11 @@ class ConsulRendezvousHandler(RendezvousHandler):
     """torch's ``RendezvousHandler`` on top of :class:`ConsulRendezvous`."""
 
     def __init__(self, settings: RendezvousSettings, client: ConsulClient, *,
-                 node_id: str | None = None, local_addr: str | None = None) -> None:
+                 node_id: str | None = None, local_addr: str | None = None,
+                 use_libuv: bool | None = None) -> None:
         self._bind_addr = local_addr or ""
+        #: The trainer store's backend (torch's default when None).
+        self._store_kwargs = {} if use_libuv is None else {"use_libuv": use_libuv}
         self._advertise = local_addr or socket.getfqdn()
         self._rdzv = ConsulRendezvous(settings, client, node_id=node_id,
                                       address=self._advertise,
@@ -266,7 +269,7 @@ class ConsulRendezvousHandler(RendezvousHandler):
                 )
             try:
                 tcp = TCPStore(host, port, None, True, timeout, wait_for_workers=False,
-                               master_listen_fd=fd)
+                               master_listen_fd=fd, **self._store_kwargs)
             except (RuntimeError, OSError) as exc:
                 raise torch_api.RendezvousConnectionError(
                     f"Node {self._rdzv.node_id} could not start the trainer store of round "
@@ -285,7 +288,8 @@ class ConsulRendezvousHandler(RendezvousHandler):
             client = tcp
             if client is None:
                 try:
-                    client = TCPStore(host, port, None, False, _seconds(until))
+                    client = TCPStore(host, port, None, False, _seconds(until),
+                                      **self._store_kwargs)
                 except (RuntimeError, OSError) as exc:
                     raise _StoreUnreachable(exc) from exc
                 client.set_timeout(timeout)
@@ -518,15 +522,12 @@ def _raise_signal_exception(signum: int, frame) -> None:
 
 
 def _consul_config(endpoint: str, conf: dict) -> ConsulConfig:
-    ssl = conf.get("ssl")
-    use_ssl = None
-    if ssl not in (None, ""):
-        use_ssl = str(ssl).strip().lower() in ("1", "true", "yes", "on", "t", "y")
     return ConsulConfig.resolve(
         address=endpoint or None,
         token_file=conf.get("token_file") or None,
         datacenter=conf.get("datacenter") or None,
-        use_ssl=use_ssl,
+        use_ssl=conf_bool(conf, "ssl"),
+        verify=conf_bool(conf, "verify"),
         ca_file=conf.get("ca_file") or None,
         ca_path=conf.get("ca_path") or None,
         client_cert=conf.get("client_cert") or None,
@@ -581,7 +582,8 @@ def create_handler(params: RendezvousParameters) -> ConsulRendezvousHandler:
     client = ConsulClient(config, retry_timeout=settings.consul_timeout)
     local_addr = params.local_addr or conf.get("local_addr") or None
     handler = ConsulRendezvousHandler(settings, client, node_id=conf.get("node_id") or None,
-                                      local_addr=local_addr)
+                                      local_addr=local_addr,
+                                      use_libuv=conf_bool(conf, "use_libuv"))
     rdzv = handler.rendezvous
     try:
         # torchrun creates the handler when the agent starts: show up in Consul right away

@@ -608,3 +608,52 @@ def test_back_to_back_rounds_stay_within_the_request_budget(fresh_agent, prefix,
           f"took {', '.join(f'{t:.3f}s' for t in took)}")
     assert per_node_round <= 6, per_node_round
     assert pass_rate <= 1.2 / interval, pass_rate
+
+
+# ----------------------------------------------------------------------------- trainer store
+
+
+def test_use_libuv_sets_the_trainer_store_backend(agent, prefix, run_id, make_handler, pool):
+    for libuv in (False, True):
+        handlers = [make_handler(agent.address, f"{run_id}-{libuv}", prefix, min_nodes=2,
+                                 max_nodes=2, node_id=f"node-{i}", use_libuv=str(libuv))
+                    for i in range(2)]
+        infos = rendezvous_all(pool, handlers)
+        assert_one_live_store(infos, f"libuv-{libuv}")
+        rank0 = handlers[[i.rank for i in infos].index(0)]
+        assert rank0._server is not None and rank0._server.libuvBackend is libuv
+
+
+# ----------------------------------------------------------------------------- c10d conf
+
+
+def test_c10d_conf_carries_over_through_torchs_registry(agent, prefix, caplog):
+    """c10d's keys as a c10d user passes them: the keep-alive pair becomes the check TTL with
+    one INFO line, the keys without equivalent are accepted and said to be ignored."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="consul_rdzv")
+    s = _settings(agent, prefix, keep_alive_interval="5", keep_alive_max_attempt="3",
+                  is_host="true", store_type="tcp", read_timeout="30")
+    assert (s.heartbeat_timeout, s.keep_alive_interval, s.read_timeout) == (15.0, 5.0, 30.0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "consul_rdzv.settings"]
+    assert len(lines) == 3, lines
+    assert any("heartbeat_timeout=15s" in line for line in lines)
+    assert any(line.startswith("rdzv conf is_host=true (c10d's) is ignored") for line in lines)
+
+
+@pytest.mark.parametrize("key", ["ssl", "verify", "use_libuv", "is_host"])
+def test_conf_booleans_are_strict_in_the_handler(agent, prefix, run_id, key):
+    """ssl=treu used to mean false (and plain http): now every boolean goes through the one
+    parser of consul_rdzv/config.py."""
+    with pytest.raises(ValueError, match=f"rdzv conf {key}='treu' is not a boolean"):
+        get_rendezvous_handler(make_params(agent.address, run_id, prefix, **{key: "treu"}))
+
+
+def test_conf_ssl_and_verify_reach_the_consul_config(agent, prefix, run_id):
+    from consul_rdzv.torch import _consul_config
+
+    config = _consul_config("127.0.0.1:8501", {"ssl": "yes", "verify": "false"})
+    assert (config.url, config.verify) == ("https://127.0.0.1:8501", False)
+    config = _consul_config("127.0.0.1:8500", {"ssl": "0"})
+    assert (config.url, config.verify) == ("http://127.0.0.1:8500", True)
