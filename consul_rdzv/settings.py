@@ -48,6 +48,9 @@ class RendezvousSettings:
     ``consul_timeout`` is the client's retry budget per call (counted from its first failure);
     ``close_timeout`` bounds ``close()`` and ``leave()``; ``heartbeat_timeout`` and
     ``keep_alive_interval`` belong to the registration's heartbeat.
+
+    ``store_port`` (the torch adapter's) pins rank 0's trainer store to a port or a range
+    ``(first, last)`` for firewalled hosts; None lets the kernel choose an ephemeral port.
     """
 
     run_id: str
@@ -66,6 +69,7 @@ class RendezvousSettings:
     topology_keys: tuple[str, ...] = ()
     node_rank: int | None = None
     node_meta: Mapping[str, str] = field(default_factory=dict)
+    store_port: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         # "." and ".." path segments are removed from Consul KV URLs (GET /v1/kv/a/../b reads
@@ -111,6 +115,15 @@ class RendezvousSettings:
                 "every keep_alive_interval and lapses after heartbeat_timeout, so one late or "
                 "lost pass must not be enough to declare the node dead."
             )
+        if self.store_port is not None:
+            port = self.store_port
+            if not (isinstance(port, tuple) and len(port) == 2
+                    and all(isinstance(p, int) and not isinstance(p, bool) for p in port)
+                    and 1 <= port[0] <= port[1] <= 65535):
+                raise ValueError(
+                    f"store_port {port!r} is invalid: give a port (29400) or a range of ports "
+                    "(29400-29499), each between 1 and 65535, the first not above the last."
+                )
         if self.rank_policy not in POLICIES:
             raise ValueError(
                 f"rank_policy {self.rank_policy!r} is unknown; choose one of {', '.join(POLICIES)}."
@@ -191,9 +204,11 @@ REFUSED_KEYS = {
              "token_file=PATH, CONSUL_HTTP_TOKEN_FILE or CONSUL_HTTP_TOKEN instead",
 }
 SETTINGS_KEYS = (*_FLOAT_KEYS, "timeout", "key_prefix", "service_name", "rank_policy",
-                 "topology_keys", "node_rank", "node_meta",
+                 "topology_keys", "node_rank", "node_meta", "store_port",
                  "keep_alive_max_attempt")
 VALID_KEYS = tuple(sorted({*SETTINGS_KEYS, *CONNECTION_KEYS, *ADAPTER_KEYS, *IGNORED_KEYS}))
+
+_PORTS = re.compile(r"^\s*(\d{1,5})\s*(?:-\s*(\d{1,5})\s*)?$")
 
 
 def _float(key: str, value) -> float:
@@ -202,6 +217,27 @@ def _float(key: str, value) -> float:
     except (TypeError, ValueError):
         raise ValueError(f"rdzv conf {key}={value!r} is not a number of seconds.") from None
     return number
+
+
+def parse_store_port(value: object) -> tuple[int, int] | None:
+    """``29400`` or ``"29400"`` -> (29400, 29400); ``"29400-29499"`` -> (29400, 29499);
+    None or "" -> None. Anything else is a ValueError naming ``store_port``."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        first = last = value
+    elif isinstance(value, tuple | list) and len(value) == 2:
+        first, last = value
+    else:
+        m = _PORTS.match(str(value))
+        if not m:
+            raise ValueError(
+                f"rdzv conf store_port={value!r} is invalid: give a port (store_port=29400) or "
+                "a range (store_port=29400-29499)."
+            )
+        first = int(m.group(1))
+        last = int(m.group(2)) if m.group(2) else first
+    return (first, last)
 
 
 def conf_bool(conf: Mapping[str, object], key: str) -> bool | None:
@@ -351,6 +387,9 @@ def settings_from_conf(run_id: str, min_nodes: int, max_nodes: int,
                 k, v = item.split("=", 1)
                 meta[k] = v
             kwargs["node_meta"] = meta
+    store_port = parse_store_port(conf.get("store_port"))
+    if store_port is not None:
+        kwargs["store_port"] = store_port
     settings = RendezvousSettings(run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes,
                                   **kwargs)
     if mapped:

@@ -144,14 +144,43 @@ class ConsulRendezvousInfo(RendezvousInfo):
 
 
 class _StoreEndpoint:
-    """A listening socket reserved for the trainer store this node would host as rank 0."""
+    """A listening socket reserved for the trainer store this node would host as rank 0.
 
-    def __init__(self, advertise: str, bind: str) -> None:
+    ``ports`` (``store_port``): the first free port of that range, in order; None: a port the
+    kernel chooses from its ephemeral range.
+    """
+
+    def __init__(self, advertise: str, bind: str, ports: tuple[int, int] | None = None, *,
+                 node_id: str = "") -> None:
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((bind, 0))
-        self.sock.listen(2048)
+        candidates = [0] if ports is None else range(ports[0], ports[1] + 1)
+        last: OSError | None = None
+        for port in candidates:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((bind, port))
+                sock.listen(2048)
+            except OSError as exc:
+                sock.close()
+                if ports is None:
+                    raise
+                last = exc
+                continue
+            self.sock = sock
+            break
+        else:
+            assert ports is not None
+            span = f"{ports[0]}" if ports[0] == ports[1] else f"{ports[0]}-{ports[1]}"
+            count = ports[1] - ports[0] + 1
+            raise errors.RendezvousStateError(
+                f"Node {node_id} found no free port for its trainer store in store_port={span} "
+                f"on {bind or 'all interfaces'}: all {count} are in use ({last}). A torchrun "
+                "agent holds one port of the range while it joins a round, and rank 0 one more "
+                "while the previous round's store is still open (torchrun keeps it until the "
+                "next round forms): give the range at least two ports per torchrun agent on "
+                "this host, clear of other programs (e.g. store_port=29400-29415 for eight)."
+            )
         self.host = advertise
         self.port = self.sock.getsockname()[1]
 
@@ -193,7 +222,10 @@ class ConsulRendezvousHandler(RendezvousHandler):
     def _reserve_endpoint(self) -> dict:
         if self._reserved is not None:
             self._reserved.close()
-        self._reserved = _StoreEndpoint(self._advertise, self._bind_addr)
+        self._reserved = None
+        self._reserved = _StoreEndpoint(self._advertise, self._bind_addr,
+                                        self._rdzv.settings.store_port,
+                                        node_id=self._rdzv.node_id)
         return self._reserved.as_dict()
 
     def get_backend(self) -> str:

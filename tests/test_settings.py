@@ -296,3 +296,27 @@ def test_token_in_conf_is_refused_naming_token_file():
     with pytest.raises(ValueError, match=r"rdzv conf key token is not accepted: .*ps.*"
                                          "token_file=PATH"):
         settings_from_conf("j", 1, 1, {"token": "secret-value"})
+
+
+# ----------------------------------------------------------------------------- store_port
+
+
+@pytest.mark.parametrize(("value", "ports"), [
+    ("29400", (29400, 29400)), ("29400-29499", (29400, 29499)), (" 1 - 65535 ", (1, 65535)),
+    (29401, (29401, 29401)), ("", None),
+])
+def test_store_port_forms(value, ports):
+    assert settings_from_conf("j", 1, 1, {"store_port": value}).store_port == ports
+
+
+@pytest.mark.parametrize("value", ["0", "65536", "29499-29400", "abc", "29400-", "1,2",
+                                   "29400:29499", "-5"])
+def test_bad_store_port_is_refused_with_the_forms_to_use(value):
+    with pytest.raises(ValueError, match=r"store_port.*(29400-29499|between 1 and 65535)"):
+        settings_from_conf("j", 1, 1, {"store_port": value})
+
+
+@pytest.mark.parametrize("value", [(0, 1), (5, 4), (1, 70000), [1, 2], (True, 2), 29400])
+def test_bad_store_port_in_the_api_is_refused(value):
+    with pytest.raises(ValueError, match="store_port"):
+        make(store_port=value)

@@ -610,7 +610,95 @@ def test_back_to_back_rounds_stay_within_the_request_budget(fresh_agent, prefix,
     assert pass_rate <= 1.2 / interval, pass_rate
 
 
-# ----------------------------------------------------------------------------- trainer store
+# ----------------------------------------------------------------------------- store_port
+
+
+def free_port_range(count: int, host: str = "127.0.0.1") -> tuple[int, int]:
+    """``count`` consecutive ports that nothing listens on (below the kernel's ephemeral range,
+    where the handlers' own sockets of other tests do not land)."""
+    import random
+    import socket
+
+    rng = random.SystemRandom()
+    for _ in range(200):
+        first = rng.randrange(20000, 32000 - count)
+        socks = []
+        try:
+            for port in range(first, first + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, port))
+            return first, first + count - 1
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def test_store_port_range_pins_every_rounds_trainer_store(agent, prefix, run_id, make_handler,
+                                                          pool):
+    """store_port=A-B: every node reserves its store socket in the range, so rank 0's trainer
+    store is always there; in the next round (torchrun still holds the previous round's store,
+    as the infos here do) rank 0 takes the next free port of the range."""
+    first, last = free_port_range(4)
+    handlers = [make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=2,
+                             node_id=f"node-{i}", store_port=f"{first}-{last}")
+                for i in range(2)]
+    assert handlers[0].rendezvous.settings.store_port == (first, last)
+    rounds = []
+    for round_no in range(3):
+        infos = rendezvous_all(pool, handlers)
+        _, port = assert_one_live_store(infos, f"ports{round_no}")
+        assert first <= port <= last, (port, first, last)
+        rounds.append((port, infos))  # kept alive, as torchrun keeps the store of its round
+    assert rounds[1][0] != rounds[0][0], "round 2 got the port round 1's store still holds"
+
+
+def test_store_port_exhausted_is_a_clear_error(agent, prefix, run_id, make_handler):
+    """One port, still held by the previous round's store: the next round fails at once with
+    an error that names the setting, the range and what to give instead; a port held by
+    another program likewise."""
+    import socket
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+
+    port, _ = free_port_range(1)
+    handler = make_handler(agent.address, run_id, prefix, store_port=str(port))
+    info = handler.next_rendezvous()
+    assert endpoint_of(info) == ("127.0.0.1", port)
+    started = time.monotonic()
+    with pytest.raises(RendezvousStateError) as error:
+        handler.next_rendezvous()  # `info` still holds round 1's store on the only port
+    assert time.monotonic() - started < 10
+    text = str(error.value)
+    assert f"found no free port for its trainer store in store_port={port} on 127.0.0.1" in text
+    assert "at least two ports per torchrun agent" in text, text
+    del info
+
+    other, _ = free_port_range(2)
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", other))
+    squatter.listen()
+    try:
+        blocked = make_handler(agent.address, f"{run_id}-b", prefix,
+                               store_port=f"{other}-{other}")
+        with pytest.raises(RendezvousStateError, match=f"store_port={other} on 127.0.0.1: all 1"):
+            blocked.next_rendezvous()
+        admin = agent.client()
+        try:  # it announced nothing: no member key of it waits for a round
+            assert admin.kv_list(blocked.rendezvous.keys.members).data == []
+        finally:
+            admin.close()
+    finally:
+        squatter.close()
+
+
+@pytest.mark.parametrize("value", ["0", "70000", "29500-29400", "many"])
+def test_bad_store_port_is_refused_when_the_handler_is_built(agent, prefix, run_id, value):
+    with pytest.raises(ValueError, match="store_port"):
+        get_rendezvous_handler(make_params(agent.address, run_id, prefix, store_port=value))
 
 
 def test_use_libuv_sets_the_trainer_store_backend(agent, prefix, run_id, make_handler, pool):
