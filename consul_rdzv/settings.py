@@ -26,10 +26,12 @@ RESERVED_META = frozenset({"run_id", "node_id", "host", "pid", "incarnation", "s
 #: Consul allows 64 meta pairs per service instance; consul-rdzv uses the reserved ones.
 MAX_NODE_META = 64 - len(RESERVED_META)
 
-#: The check TTL.
-HEARTBEAT_TIMEOUT_DEFAULT = 5.0
-#: The retry budget per call, counted from a call's first failure.
-CONSUL_TIMEOUT_DEFAULT = 10.0
+#: The check TTL: above the longest stall of check passes measured during a Consul leader
+#: election with Consul's default Raft timings (docs/deployment.md, "Choosing the timeouts").
+HEARTBEAT_TIMEOUT_DEFAULT = 30.0
+#: The retry budget per call: above the longest leader election measured with Consul's default
+#: Raft timings, counted from a call's first failure (docs/deployment.md).
+CONSUL_TIMEOUT_DEFAULT = 60.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,12 @@ class RendezvousSettings:
     ``close_timeout`` bounds ``close()`` and ``leave()``; ``heartbeat_timeout`` and
     ``keep_alive_interval`` belong to the registration's heartbeat.
 
+    The defaults are chosen for production and measured (``bench/election.py``,
+    docs/deployment.md "Choosing the timeouts"): ``heartbeat_timeout`` and ``consul_timeout``
+    ride out a Consul leader election with Consul's default Raft timings, and ``join_timeout``
+    is torchrun's own default (it injects ``timeout=900``), so a node waits as long under
+    torchrun as through this API.
+
     ``store_port`` (the torch adapter's) pins rank 0's trainer store to a port or a range
     ``(first, last)`` for firewalled hosts; None lets the kernel choose an ephemeral port.
     """
@@ -58,7 +66,7 @@ class RendezvousSettings:
     max_nodes: int = 1
     key_prefix: str = "torchelastic"
     service_name: str | None = None
-    join_timeout: float = 600.0
+    join_timeout: float = 900.0
     last_call_timeout: float = 30.0
     close_timeout: float = 30.0
     heartbeat_timeout: float = HEARTBEAT_TIMEOUT_DEFAULT
@@ -321,7 +329,7 @@ def settings_from_conf(run_id: str, min_nodes: int, max_nodes: int,
 
     Every key is validated here, also those the torch adapter reads itself (booleans strictly).
     ``join_timeout`` wins over ``timeout`` when both are given (torchrun always injects
-    ``timeout=900``; c10d ignores it). c10d's keys carry over: the same ones
+    ``timeout=900``, its default, which is also ours). c10d's keys carry over: the same ones
     mean the same; ``keep_alive_max_attempt`` is mapped onto ``heartbeat_timeout`` and the keys
     with no equivalent are ignored, each with one INFO line saying how.
     """

@@ -745,3 +745,33 @@ def test_conf_ssl_and_verify_reach_the_consul_config(agent, prefix, run_id):
     assert (config.url, config.verify) == ("https://127.0.0.1:8501", False)
     config = _consul_config("127.0.0.1:8500", {"ssl": "0"})
     assert (config.url, config.verify) == ("http://127.0.0.1:8500", True)
+
+
+def test_torchruns_injected_timeout_is_our_default_join_timeout():
+    """torchrun always passes timeout=900 (LaunchConfig's default): it is our join_timeout's
+    default too, so a node waits as long under torchrun as through the API, as documented."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from consul_rdzv.settings import RendezvousSettings
+
+    injected = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).rdzv_configs["timeout"]
+    assert injected == RendezvousSettings(run_id="j").join_timeout == 900
+
+
+def test_torchrun_warns_about_master_addr_whenever_rdzv_endpoint_is_empty(caplog):
+    """torch's own warning (torch/distributed/run.py config_from_args), printed for every
+    backend but static when --rdzv-endpoint is empty: docs/configuration.md says so and how to
+    avoid it (give --rdzv-endpoint)."""
+    import logging
+
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    warning = "master_addr is only used for static rdzv_backend"
+    for endpoint, expected in (([], True), (["--rdzv-endpoint=127.0.0.1:8500"], False)):
+        caplog.clear()
+        args = get_args_parser().parse_args(
+            ["--nnodes=1", "--rdzv-backend=consul", "--rdzv-id=j", *endpoint, "train.py"])
+        with caplog.at_level(logging.WARNING):
+            config_from_args(args)
+        assert any(warning in r.getMessage() for r in caplog.records) is expected, \
+            [r.getMessage() for r in caplog.records]
