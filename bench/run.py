@@ -71,7 +71,7 @@ ALL_BACKENDS = ("consul", "c10d", "etcd-v2")
 ALL_SIZES = (2, 8, 32, 64, 128, 256, 512, 1024)
 ALL_SCENARIOS = ("fixed", "lastcall", "failover", "failover-term", "backtoback")
 FAILOVERS = ("failover", "failover-term")
-HEARTBEAT_TIMEOUT = 5  # consul's heartbeat_timeout, set explicitly (it is also the default)
+HEARTBEAT_TIMEOUT = 5  # consul's heartbeat_timeout, set explicitly (the default is 30 s)
 #: torch's DynamicRendezvousHandler defaults (c10d, etcd-v2): keep_alive_interval=5 s,
 #: keep_alive_max_attempt=3 (a node is dead 15 s after its last keep-alive), last_call 30 s,
 #: state cache 1 s, 1 s sleep between polls, read_timeout 60 s.

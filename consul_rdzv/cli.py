@@ -6,7 +6,7 @@
     consul-rdzv close RUN [--reason TEXT]   no further rounds (training nodes train on)
     consul-rdzv drain RUN NODE              take a node out now: the job re-forms without it
     consul-rdzv gc [--yes]                  delete ended and abandoned runs (dry run by default)
-    consul-rdzv agent                       a local Consul dev agent until Ctrl-C
+    consul-rdzv agent [--bind ADDR --port N] a Consul dev agent until Ctrl-C
     consul-rdzv demo [--keep]               a real 3-node torchrun job on this machine
 
 Global options (``--address``, ``--key-prefix``, ``--token-file``, ...) go before or after the
@@ -970,14 +970,54 @@ def _delete_run(client: ConsulClient, entries: list[KVEntry]) -> None:
         client.txn(ops[start:start + 64])
 
 
-def cmd_agent(args: argparse.Namespace) -> int:
-    """``agent``: a local Consul dev agent until Ctrl-C."""
-    from .testing import ConsulAgent
+def _agent_listen(args: argparse.Namespace) -> tuple[str, int]:
+    """Where ``agent`` listens: ``--bind``/``--port``, or ``--address HOST:PORT`` (an explicit
+    option only, never CONSUL_HTTP_ADDR: that names an agent to use, not one to start)."""
+    import ipaddress
 
+    host, port = args.bind, args.port
+    if args.address:
+        if args.bind or args.port:
+            raise UsageError("give either --address HOST:PORT or --bind/--port, not both")
+        from .config import normalize_address
+
+        url = normalize_address(args.address)
+        if url.startswith("https://"):
+            raise UsageError("the dev agent serves plain http only; give --address HOST:PORT")
+        host, _, text = url[len("http://"):].rpartition(":")
+        port = int(text)
+    host = host or "127.0.0.1"
+    try:
+        if not isinstance(ipaddress.ip_address(host), ipaddress.IPv4Address):
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"agent address {host!r}: give an IPv4 address of this host, or "
+                         "0.0.0.0 for every interface") from None
+    if port is not None and not 1 <= port <= 65535:
+        raise UsageError(f"agent port {port}: give a port between 1 and 65535")
+    return host, port or 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    """``agent``: a Consul dev agent until Ctrl-C; local only unless --bind/--address says."""
+    from .testing import WILDCARD_HOSTS, ConsulAgent
+
+    host, port = _agent_listen(args)
     stop = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-    with ConsulAgent() as agent:
-        print(f"Consul dev agent at {agent.url} (UI: {agent.url}/ui); Ctrl-C or SIGTERM stops "
-              "it.")
+    with ConsulAgent(host=host, http_port=port) as agent:
+        listen = f"{host}:{agent.port}"
+        if host != "127.0.0.1":
+            print(f"WARNING: this Consul dev agent listens on {listen} UNSECURED: no ACLs, no "
+                  "TLS, no gossip encryption, everything in memory. Anyone who reaches that "
+                  "address can read and change all it holds (and with it any job using it), "
+                  "and it forgets everything when it stops. For a first trial on a trusted "
+                  "network only; production is Consul servers with ACLs (docs/deployment.md).",
+                  file=sys.stderr, flush=True)
+        print(f"Consul dev agent at http://{listen} (UI: {agent.url}/ui); Ctrl-C or SIGTERM "
+              "stops it.")
+        if host in WILDCARD_HOSTS:
+            print(f"other hosts: export CONSUL_HTTP_ADDR={socket.getfqdn()}:{agent.port} (or "
+                  "another address of this host they reach)")
         print(f"export CONSUL_HTTP_ADDR={agent.address}", flush=True)
         # Blocked, the signals wait for sigwait (even SIGINT, which a shell ignores in
         # background jobs) instead of killing this process and orphaning the agent.
@@ -1221,7 +1261,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an unclosed run without nodes is abandoned once idle this long "
                         "(e.g. 30s, 10m, 2h; default 10m)")
     json_arg(p, "what would be (or was) deleted and kept")
-    command("agent", cmd_agent, "run a local Consul dev agent on a free port until Ctrl-C")
+    p = command("agent", cmd_agent, "run a Consul dev agent until Ctrl-C: on 127.0.0.1 and a "
+                "free port, or where --bind/--port (or --address HOST:PORT) say, to serve other "
+                "hosts for a first trial (UNSECURED: no ACLs, no TLS)")
+    p.add_argument("--bind", metavar="ADDR", default=None,
+                   help="IPv4 address of this host to serve the HTTP API on, 0.0.0.0 for every "
+                        "interface (default 127.0.0.1: this host only)")
+    p.add_argument("--port", metavar="PORT", type=int, default=None,
+                   help="HTTP API port (default: a free one, printed)")
     p = command("demo", cmd_demo, "run a real torchrun job with the consul backend on this "
                 "machine (a local dev agent unless --address / CONSUL_HTTP_ADDR names one)")
     p.add_argument("--nodes", type=int, default=3, help="number of torchrun agents (default 3)")

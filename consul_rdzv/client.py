@@ -196,8 +196,9 @@ def _reusable_rule(res: str, access: str, on: str) -> tuple[str, str]:
     The client does not know the run's key prefix or service name: they are read back from the
     denied resource. A run's keys are ``<key_prefix>/<run_id>/...`` (the prefix is what precedes
     the run id); its service is ``torchelastic-<run_id>`` unless ``service_name`` names one
-    service for every run; a session is named after the Consul node of the agent it was created
-    on, which is any host of the job.
+    service for every run. A session is named after the Consul node of the agent it was created
+    on: the exact rule for that node is given, the policy's prefix rule (the node-name prefix
+    the job's agents share) is named by the caller.
     """
     if res == "key":
         m = _RUN_KEY.match(on)
@@ -212,8 +213,10 @@ def _reusable_rule(res: str, access: str, on: str) -> tuple[str, str]:
         return (f'service "{on}" {{ policy = "write" }}',
                 "every run that uses this service_name")
     if res == "session":
-        return ('session_prefix "" { policy = "write" }',
-                "every other Consul node the job's agents run on")
+        return (f'session "{on}" {{ policy = "write" }}',
+                "nothing else (better: one session_prefix rule with the prefix that the Consul "
+                f'node names of all the job\'s agents share, as {ACL_POLICY_FILE} ships it: '
+                f'session_prefix "<node-prefix>" {{ policy = "write" }})')
     if res in ("node", "agent", "query", "event"):
         return (f'{res}_prefix "" {{ policy = "{access}" }}', f"every other {res}")
     return (f'{res} = "{access}"', f"all of {res}")
@@ -241,8 +244,9 @@ def _acl_hint(text: str) -> str:
     if not m:
         return (
             f"{no_token}The token's policy needs the rules of {ACL_POLICY_FILE}: "
-            'key_prefix "torchelastic/", service_prefix "torchelastic-" and session_prefix "", '
-            'each { policy = "write" } (for the default key_prefix and service_name).'
+            'key_prefix "torchelastic/", service_prefix "torchelastic-" and session_prefix '
+            '"<node-prefix>" (the prefix of the Consul node names of the job\'s agents), each '
+            '{ policy = "write" } (for the default key_prefix and service_name).'
         )
     res, access, on = m.group("res"), m.group("access"), m.group("on")
     rule, covers = _reusable_rule(res, access, on)

@@ -26,17 +26,30 @@ from .errors import ConsulConfigError
 
 DEFAULT_ADDRESS = "127.0.0.1:8500"
 
-_TRUE = {"1", "true", "yes", "on", "t", "y"}
-_FALSE = {"0", "false", "no", "off", "f", "n"}
+_TRUE = frozenset({"1", "true", "yes", "on", "t", "y"})
+_FALSE = frozenset({"0", "false", "no", "off", "f", "n"})
 
 
-def _parse_bool(name: str, value: str) -> bool:
-    text = value.strip().lower()
+def parse_bool(name: str, value: object) -> bool:
+    """The one boolean parser of consul-rdzv (environment variables and ``--rdzv-conf``).
+
+    ``True``/``False`` (and the ints 1/0) as they are; a string must be one of
+    1/true/yes/on/t/y or 0/false/no/off/f/n (any case): anything else (``treu``, ``2``, an empty
+    string) is a :class:`ConsulConfigError` (a ``ValueError``) naming ``name``.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = value.strip().lower() if isinstance(value, str) else None
     if text in _TRUE:
         return True
     if text in _FALSE:
         return False
-    raise ConsulConfigError(f"{name}={value!r} is not a boolean; use true or false.")
+    raise ConsulConfigError(
+        f"{name}={value!r} is not a boolean; use true or false (also accepted: 1/0, yes/no, "
+        "on/off, t/f, y/n)."
+    )
 
 
 def _read_token_file(path: str, source: str) -> str:
@@ -154,7 +167,7 @@ class ConsulConfig:
 
         ssl_value, ssl_src = pick(use_ssl, "CONSUL_HTTP_SSL")
         if isinstance(ssl_value, str):
-            ssl_value = _parse_bool(ssl_src, ssl_value)
+            ssl_value = parse_bool(ssl_src, ssl_value)
         addr, _ = pick(address, "CONSUL_HTTP_ADDR")
         url = normalize_address(addr or DEFAULT_ADDRESS, use_ssl=bool(ssl_value))
 
@@ -174,7 +187,7 @@ class ConsulConfig:
 
         verify_value, verify_src = pick(verify, "CONSUL_HTTP_SSL_VERIFY")
         if isinstance(verify_value, str):
-            verify_value = _parse_bool(verify_src, verify_value)
+            verify_value = parse_bool(verify_src, verify_value)
         resolved_verify: bool | str = True if verify_value is None else bool(verify_value)
         if resolved_verify:
             # An explicit ca_file or ca_path beats both CONSUL_CACERT and CONSUL_CAPATH.

@@ -52,6 +52,7 @@ from .errors import (
     ConsulSessionInvalid,
     ConsulUnavailableError,
     RendezvousReplacedError,
+    RendezvousStateError,
 )
 from .settings import RendezvousSettings
 

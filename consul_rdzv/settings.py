@@ -5,12 +5,16 @@ All timeouts live here, in seconds. Bad values fail early with a ValueError nami
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
+from .config import parse_bool
 from .ranks import POLICIES
+
+logger = logging.getLogger(__name__)
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_.\-/]{1,200}$")
@@ -21,6 +25,13 @@ RESERVED_META = frozenset({"run_id", "node_id", "host", "pid", "incarnation", "s
                            "state", "round", "rank", "world_size", "store"})
 #: Consul allows 64 meta pairs per service instance; consul-rdzv uses the reserved ones.
 MAX_NODE_META = 64 - len(RESERVED_META)
+
+#: The check TTL: above the longest stall of check passes measured during a Consul leader
+#: election with Consul's default Raft timings (docs/deployment.md, "Choosing the timeouts").
+HEARTBEAT_TIMEOUT_DEFAULT = 30.0
+#: The retry budget per call: above the longest leader election measured with Consul's default
+#: Raft timings, counted from a call's first failure (docs/deployment.md).
+CONSUL_TIMEOUT_DEFAULT = 60.0
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,15 @@ class RendezvousSettings:
     ``consul_timeout`` is the client's retry budget per call (counted from its first failure);
     ``close_timeout`` bounds ``close()`` and ``leave()``; ``heartbeat_timeout`` and
     ``keep_alive_interval`` belong to the registration's heartbeat.
+
+    The defaults are chosen for production and measured (``bench/election.py``,
+    docs/deployment.md "Choosing the timeouts"): ``heartbeat_timeout`` and ``consul_timeout``
+    ride out a Consul leader election with Consul's default Raft timings, and ``join_timeout``
+    is torchrun's own default (it injects ``timeout=900``), so a node waits as long under
+    torchrun as through this API.
+
+    ``store_port`` (the torch adapter's) pins rank 0's trainer store to a port or a range
+    ``(first, last)`` for firewalled hosts; None lets the kernel choose an ephemeral port.
     """
 
     run_id: str
@@ -46,12 +66,12 @@ class RendezvousSettings:
     max_nodes: int = 1
     key_prefix: str = "torchelastic"
     service_name: str | None = None
-    join_timeout: float = 600.0
+    join_timeout: float = 900.0
     last_call_timeout: float = 30.0
     close_timeout: float = 30.0
-    heartbeat_timeout: float = 5.0
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT_DEFAULT
     keep_alive_interval: float | None = None
-    consul_timeout: float = 10.0
+    consul_timeout: float = CONSUL_TIMEOUT_DEFAULT
     read_timeout: float = 60.0
     watch_wait: float = 300.0
     closed_retention: float = 600.0
@@ -59,6 +79,7 @@ class RendezvousSettings:
     topology_keys: tuple[str, ...] = ()
     node_rank: int | None = None
     node_meta: Mapping[str, str] = field(default_factory=dict)
+    store_port: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         # "." and ".." path segments are removed from Consul KV URLs (GET /v1/kv/a/../b reads
@@ -123,6 +144,15 @@ class RendezvousSettings:
                 "every keep_alive_interval and lapses after heartbeat_timeout, so one late or "
                 "lost pass must not be enough to declare the node dead."
             )
+        if self.store_port is not None:
+            port = self.store_port
+            if not (isinstance(port, tuple) and len(port) == 2
+                    and all(isinstance(p, int) and not isinstance(p, bool) for p in port)
+                    and 1 <= port[0] <= port[1] <= 65535):
+                raise ValueError(
+                    f"store_port {port!r} is invalid: give a port (29400) or a range of ports "
+                    "(29400-29499), each between 1 and 65535, the first not above the last."
+                )
         if self.rank_policy not in POLICIES:
             raise ValueError(
                 f"rank_policy {self.rank_policy!r} is unknown; choose one of {', '.join(POLICIES)}."
@@ -181,17 +211,34 @@ _FLOAT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_
                "closed_retention")
 #: Keys the torch adapter reads itself (Consul connection), listed here so one table is the truth.
 CONNECTION_KEYS = ("token_file", "datacenter", "ca_file", "ca_path", "client_cert", "client_key",
-                   "tls_server_name", "ssl", "local_addr", "node_id")
-#: Keys accepted for drop-in compatibility with torch's c10d backend and ignored, with why.
+                   "tls_server_name", "ssl", "verify")
+#: Keys of the torch adapter about this node: its id, its trainer-store address and backend.
+ADAPTER_KEYS = ("node_id", "local_addr", "use_libuv")
+#: Keys whose value is a boolean, parsed by the one boolean parser (``config.parse_bool``).
+BOOLEAN_KEYS = ("ssl", "verify", "use_libuv", "is_host")
+#: torch's c10d backend's keys that have no equivalent here: accepted (so that a c10d
+#: ``--rdzv-conf`` carries over), validated as c10d would, and ignored with an INFO line saying
+#: why. (``keep_alive_max_attempt`` is mapped, see :func:`settings_from_conf`.)
 IGNORED_KEYS = {
-    "keep_alive_max_attempt": "liveness is the Consul check TTL (heartbeat_timeout)",
-    "is_host": "the trainer store always runs on rank 0",
-    "use_libuv": "the trainer store uses torch's default TCPStore backend",
-    "store_type": "the rendezvous state lives in Consul",
+    "is_host": "the rendezvous state lives in Consul, and rank 0 of each round always hosts the "
+               "trainer store",
+    "store_type": "the rendezvous state lives in Consul, not in a c10d store",
+}
+#: c10d's keep-alive keys: a node is dead after ``keep_alive_interval x keep_alive_max_attempt``
+#: without a heartbeat; torch's defaults (dynamic_rendezvous.py) are 5 s and 3.
+C10D_KEEP_ALIVE_INTERVAL = 5.0
+C10D_KEEP_ALIVE_MAX_ATTEMPT = 3
+#: Keys refused with a message naming what to use instead.
+REFUSED_KEYS = {
+    "token": "--rdzv-conf is visible to every user in `ps`: give the ACL token with "
+             "token_file=PATH, CONSUL_HTTP_TOKEN_FILE or CONSUL_HTTP_TOKEN instead",
 }
 SETTINGS_KEYS = (*_FLOAT_KEYS, "timeout", "key_prefix", "service_name", "rank_policy",
-                 "topology_keys", "node_rank", "node_meta")
-VALID_KEYS = tuple(sorted({*SETTINGS_KEYS, *CONNECTION_KEYS, *IGNORED_KEYS}))
+                 "topology_keys", "node_rank", "node_meta", "store_port",
+                 "keep_alive_max_attempt")
+VALID_KEYS = tuple(sorted({*SETTINGS_KEYS, *CONNECTION_KEYS, *ADAPTER_KEYS, *IGNORED_KEYS}))
+
+_PORTS = re.compile(r"^\s*(\d{1,5})\s*(?:-\s*(\d{1,5})\s*)?$")
 
 
 def _float(key: str, value) -> float:
@@ -202,24 +249,144 @@ def _float(key: str, value) -> float:
     return number
 
 
+def parse_store_port(value: object) -> tuple[int, int] | None:
+    """``29400`` or ``"29400"`` -> (29400, 29400); ``"29400-29499"`` -> (29400, 29499);
+    None or "" -> None. Anything else is a ValueError naming ``store_port``."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        first = last = value
+    elif isinstance(value, tuple | list) and len(value) == 2:
+        first, last = value
+    else:
+        m = _PORTS.match(str(value))
+        if not m:
+            raise ValueError(
+                f"rdzv conf store_port={value!r} is invalid: give a port (store_port=29400) or "
+                "a range (store_port=29400-29499)."
+            )
+        first = int(m.group(1))
+        last = int(m.group(2)) if m.group(2) else first
+    return (first, last)
+
+
+def conf_bool(conf: Mapping[str, object], key: str) -> bool | None:
+    """A boolean ``--rdzv-conf`` value (None when absent or empty), strictly parsed."""
+    value = conf.get(key)
+    if value is None or value == "":
+        return None
+    return parse_bool(f"rdzv conf {key}", value)
+
+
+def _keep_alive(conf: Mapping[str, object], kwargs: dict) -> str | None:
+    """Map c10d's keep-alive keys onto ``heartbeat_timeout`` (in ``kwargs``); return the INFO
+    line that says how, or None when there was nothing to map.
+
+    c10d declares a node dead after ``keep_alive_interval x keep_alive_max_attempt`` without a
+    heartbeat; here that is ``heartbeat_timeout``, the TTL of the node's Consul check, passed
+    every ``keep_alive_interval`` (at most half the TTL). So:
+
+    * ``keep_alive_max_attempt`` given: ``heartbeat_timeout = interval x attempts`` (interval
+      c10d's default 5 s if absent). The interval is kept when it fits (attempts >= 2), else
+      the check is passed every third of the TTL. With ``heartbeat_timeout`` also given, the
+      two would say different things: refused.
+    * ``keep_alive_interval`` alone, above half of the default ``heartbeat_timeout`` (so it
+      cannot be ours): c10d's meaning with its default 3 attempts. Below that it is ours: the
+      check is passed that often and the TTL stays the default.
+    """
+    attempts_raw = conf.get("keep_alive_max_attempt")
+    interval = kwargs.get("keep_alive_interval")
+    if attempts_raw not in (None, ""):
+        try:
+            attempts = int(str(attempts_raw).strip())
+        except ValueError:
+            attempts = 0
+        if attempts < 1:
+            raise ValueError(
+                f"rdzv conf keep_alive_max_attempt={attempts_raw!r} is not a whole number >= 1."
+            )
+        if "heartbeat_timeout" in kwargs:
+            raise ValueError(
+                "rdzv conf keep_alive_max_attempt (c10d's) and heartbeat_timeout both set how "
+                "long a silent node lives (c10d: keep_alive_interval x keep_alive_max_attempt; "
+                "here: heartbeat_timeout, the TTL of the node's Consul check). Give only "
+                "heartbeat_timeout (and keep_alive_interval, at most half of it)."
+            )
+        given = "keep_alive_interval" in kwargs
+    elif interval is not None and "heartbeat_timeout" not in kwargs \
+            and interval > HEARTBEAT_TIMEOUT_DEFAULT / 2:
+        attempts, given = C10D_KEEP_ALIVE_MAX_ATTEMPT, True
+    else:
+        return None
+    if interval is None:
+        interval = C10D_KEEP_ALIVE_INTERVAL
+    ttl = interval * attempts
+    if ttl < 1:
+        raise ValueError(
+            f"rdzv conf keep_alive_interval x keep_alive_max_attempt = {interval:g}s x "
+            f"{attempts} = {ttl:g}s (c10d's keys, mapped onto heartbeat_timeout): the TTL of a "
+            "node's Consul check must be at least 1 second."
+        )
+    kwargs["heartbeat_timeout"] = ttl
+    keep = interval <= ttl / 2
+    if keep:
+        kwargs["keep_alive_interval"] = interval
+    else:
+        kwargs.pop("keep_alive_interval", None)
+    source = ", ".join(
+        [f"keep_alive_interval={interval:g}" + ("" if given else " (c10d's default)"),
+         f"keep_alive_max_attempt={attempts}"
+         + ("" if attempts_raw not in (None, "") else " (c10d's default)")])
+    passed = (f"passed every {interval:g}s" if keep else
+              f"passed every {ttl / 3:g}s (a third of it: one pass per interval would let a "
+              "single late pass kill the node)")
+    return (f"rdzv conf {source}: c10d's keep-alive keys, mapped: a node silent for "
+            f"{interval:g}s x {attempts} is dead, as with c10d, so heartbeat_timeout={ttl:g}s "
+            f"(the TTL of the node's Consul check), {passed}.")
+
+
 def settings_from_conf(run_id: str, min_nodes: int, max_nodes: int,
                        conf: Mapping[str, object]) -> RendezvousSettings:
     """Build settings from ``--rdzv-conf`` style values (strings, or already typed).
 
+    Every key is validated here, also those the torch adapter reads itself (booleans strictly).
     ``join_timeout`` wins over ``timeout`` when both are given (torchrun always injects
-    ``timeout=900``; c10d ignores it, we use it only when ``join_timeout`` is absent).
+    ``timeout=900``, its default, which is also ours). c10d's keys carry over: the same ones
+    mean the same; ``keep_alive_max_attempt`` is mapped onto ``heartbeat_timeout`` and the keys
+    with no equivalent are ignored, each with one INFO line saying how.
     """
+    refused = sorted(set(conf) & set(REFUSED_KEYS))
+    if refused:
+        raise ValueError(f"rdzv conf key {refused[0]} is not accepted: "
+                         f"{REFUSED_KEYS[refused[0]]}.")
     unknown = sorted(set(conf) - set(VALID_KEYS))
     if unknown:
         raise ValueError(
             f"Unknown rdzv conf key(s) {', '.join(unknown)}. Valid keys: {', '.join(VALID_KEYS)}."
         )
+    for key in BOOLEAN_KEYS:
+        conf_bool(conf, key)
+    store_type = conf.get("store_type")
+    if store_type not in (None, "") and str(store_type).strip().lower() not in ("tcp", "file"):
+        raise ValueError(f"rdzv conf store_type={store_type!r} is invalid: c10d knows tcp and "
+                         "file (and consul-rdzv ignores it).")
     kwargs: dict = {}
     for key in _FLOAT_KEYS:
         if conf.get(key) not in (None, ""):
             kwargs[key] = _float(key, conf[key])
     if "join_timeout" not in kwargs and conf.get("timeout") not in (None, ""):
         kwargs["join_timeout"] = _float("timeout", conf["timeout"])
+    mapped = _keep_alive(conf, kwargs)
+    interval = kwargs.get("keep_alive_interval")
+    ttl = kwargs.get("heartbeat_timeout", HEARTBEAT_TIMEOUT_DEFAULT)
+    if mapped is None and interval is not None and isinstance(ttl, float) and interval > ttl / 2:
+        raise ValueError(
+            f"rdzv conf keep_alive_interval ({interval:g}) must be at most half of "
+            f"heartbeat_timeout ({ttl:g}s): the check is passed every keep_alive_interval and "
+            "lapses after heartbeat_timeout. Raise heartbeat_timeout, or, for c10d's meaning (a "
+            "node is dead after keep_alive_interval x keep_alive_max_attempt), give "
+            "keep_alive_max_attempt instead of heartbeat_timeout."
+        )
     for key in ("key_prefix", "service_name", "rank_policy"):
         if conf.get(key) not in (None, ""):
             kwargs[key] = str(conf[key])
@@ -250,7 +417,17 @@ def settings_from_conf(run_id: str, min_nodes: int, max_nodes: int,
                 k, v = item.split("=", 1)
                 meta[k] = v
             kwargs["node_meta"] = meta
-    return RendezvousSettings(run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes, **kwargs)
+    store_port = parse_store_port(conf.get("store_port"))
+    if store_port is not None:
+        kwargs["store_port"] = store_port
+    settings = RendezvousSettings(run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes,
+                                  **kwargs)
+    if mapped:
+        logger.info("%s", mapped)
+    for key, why in IGNORED_KEYS.items():
+        if conf.get(key) not in (None, ""):
+            logger.info("rdzv conf %s=%s (c10d's) is ignored: %s.", key, conf[key], why)
+    return settings
 
 
 def settings_field_names() -> list[str]:

@@ -130,21 +130,31 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
         return ports
 
 
+#: Addresses that mean "every interface of this host".
+WILDCARD_HOSTS = ("0.0.0.0",)
+
+
 class ConsulAgent:
     """One real ``consul agent -dev`` on 127.0.0.1 with free ports.
 
     Use as a context manager or call :meth:`start` / :meth:`stop`. ``extra_hcl`` is appended to
-    the generated configuration. Subclasses (the test harness) add ACLs, TLS and failure
+    the generated configuration. ``host`` (an IPv4 address of this host, or ``0.0.0.0`` for all)
+    is where the HTTP API listens, default 127.0.0.1; ``http_port`` fixes its port (default: a
+    free one). Gossip and server RPC stay on ``host`` (127.0.0.1 for ``0.0.0.0``): a dev agent
+    is a cluster of one. Subclasses (the test harness) add ACLs, TLS and failure
     injection through the hooks :meth:`_prepare`, :meth:`_ports`, :meth:`_hcl_extra`,
     :meth:`_command` and :meth:`_popen_kwargs`.
     """
 
-    #: The loopback address the agent binds, listens and advertises on.
+    #: The address the agent binds, listens and advertises on (see ``host=``).
     host = "127.0.0.1"
 
     def __init__(self, *, extra_hcl: str = "", workdir: str | None = None,
                  node_name: str | None = None, binary: str | None = None,
-                 log_level: str = "info") -> None:
+                 log_level: str = "info", host: str | None = None, http_port: int = 0) -> None:
+        if host is not None:
+            self.host = host
+        self.http_port = http_port
         self.extra_hcl = extra_hcl
         self.binary = binary or consul_binary()
         self._own_dir = workdir is None
@@ -165,8 +175,14 @@ class ConsulAgent:
         return "http"
 
     @property
+    def bind_host(self) -> str:
+        """Gossip and server RPC: the agent's own address (loopback for a wildcard ``host``)."""
+        return "127.0.0.1" if self.host in WILDCARD_HOSTS else self.host
+
+    @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        """``host:port`` to reach the HTTP API from this host."""
+        return f"{self.bind_host}:{self.port}"
 
     @property
     def url(self) -> str:
@@ -212,9 +228,9 @@ class ConsulAgent:
     def _hcl(self) -> str:
         http, https = self._ports()
         lines = [
-            'bind_addr = "127.0.0.1"',
-            'client_addr = "127.0.0.1"',
-            'advertise_addr = "127.0.0.1"',
+            f'bind_addr = "{self.bind_host}"',
+            f'client_addr = "{self.host}"',
+            f'advertise_addr = "{self.bind_host}"',
             f'log_level = "{self.log_level}"',
             "ports {",
             f"  http = {http}",
@@ -249,7 +265,17 @@ class ConsulAgent:
             return self
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._prepare()
-        if not self.port:
+        if not self.port and self.http_port:
+            with socket.socket() as probe:
+                try:
+                    probe.bind((self.host, self.http_port))
+                except OSError as exc:
+                    raise OSError(
+                        f"port {self.http_port} on {self.host} is not free ({exc.strerror}): "
+                        "another Consul agent? Choose another port.") from None
+                self._extra_ports = free_ports(3, self.bind_host)  # not the one probed
+            self.port = self.http_port
+        elif not self.port:
             self.port, *self._extra_ports = free_ports(4, self.host)
         cfg = self.workdir / "agent.hcl"
         cfg.write_text(self._hcl())

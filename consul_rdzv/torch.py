@@ -74,7 +74,7 @@ from .rendezvous import (
     ConsulRendezvous,
     RoundResult,
 )
-from .settings import RendezvousSettings, settings_from_conf
+from .settings import RendezvousSettings, conf_bool, settings_from_conf
 
 logger = logging.getLogger(__name__)
 
@@ -150,14 +150,43 @@ class ConsulRendezvousInfo(RendezvousInfo):
 
 
 class _StoreEndpoint:
-    """A listening socket reserved for the trainer store this node would host as rank 0."""
+    """A listening socket reserved for the trainer store this node would host as rank 0.
 
-    def __init__(self, advertise: str, bind: str) -> None:
+    ``ports`` (``store_port``): the first free port of that range, in order; None: a port the
+    kernel chooses from its ephemeral range.
+    """
+
+    def __init__(self, advertise: str, bind: str, ports: tuple[int, int] | None = None, *,
+                 node_id: str = "") -> None:
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((bind, 0))
-        self.sock.listen(2048)
+        candidates = [0] if ports is None else range(ports[0], ports[1] + 1)
+        last: OSError | None = None
+        for port in candidates:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((bind, port))
+                sock.listen(2048)
+            except OSError as exc:
+                sock.close()
+                if ports is None:
+                    raise
+                last = exc
+                continue
+            self.sock = sock
+            break
+        else:
+            assert ports is not None
+            span = f"{ports[0]}" if ports[0] == ports[1] else f"{ports[0]}-{ports[1]}"
+            count = ports[1] - ports[0] + 1
+            raise errors.RendezvousStateError(
+                f"Node {node_id} found no free port for its trainer store in store_port={span} "
+                f"on {bind or 'all interfaces'}: all {count} are in use ({last}). A torchrun "
+                "agent holds one port of the range while it joins a round, and rank 0 one more "
+                "while the previous round's store is still open (torchrun keeps it until the "
+                "next round forms): give the range at least two ports per torchrun agent on "
+                "this host, clear of other programs (e.g. store_port=29400-29415 for eight)."
+            )
         self.host = advertise
         self.port = self.sock.getsockname()[1]
 
@@ -176,8 +205,11 @@ class ConsulRendezvousHandler(RendezvousHandler):
     """torch's ``RendezvousHandler`` on top of :class:`ConsulRendezvous`."""
 
     def __init__(self, settings: RendezvousSettings, client: ConsulClient, *,
-                 node_id: str | None = None, local_addr: str | None = None) -> None:
+                 node_id: str | None = None, local_addr: str | None = None,
+                 use_libuv: bool | None = None) -> None:
         self._bind_addr = local_addr or ""
+        #: The trainer store's backend (torch's default when None).
+        self._store_kwargs = {} if use_libuv is None else {"use_libuv": use_libuv}
         self._advertise = local_addr or socket.getfqdn()
         self._rdzv = ConsulRendezvous(settings, client, node_id=node_id,
                                       address=self._advertise,
@@ -196,7 +228,10 @@ class ConsulRendezvousHandler(RendezvousHandler):
     def _reserve_endpoint(self) -> dict:
         if self._reserved is not None:
             self._reserved.close()
-        self._reserved = _StoreEndpoint(self._advertise, self._bind_addr)
+        self._reserved = None
+        self._reserved = _StoreEndpoint(self._advertise, self._bind_addr,
+                                        self._rdzv.settings.store_port,
+                                        node_id=self._rdzv.node_id)
         return self._reserved.as_dict()
 
     def get_backend(self) -> str:
@@ -272,7 +307,7 @@ class ConsulRendezvousHandler(RendezvousHandler):
                 )
             try:
                 tcp = TCPStore(host, port, None, True, timeout, wait_for_workers=False,
-                               master_listen_fd=fd)
+                               master_listen_fd=fd, **self._store_kwargs)
             except (RuntimeError, OSError) as exc:
                 raise torch_api.RendezvousConnectionError(
                     f"Node {self._rdzv.node_id} could not start the trainer store of round "
@@ -291,7 +326,8 @@ class ConsulRendezvousHandler(RendezvousHandler):
             client = tcp
             if client is None:
                 try:
-                    client = TCPStore(host, port, None, False, _seconds(until))
+                    client = TCPStore(host, port, None, False, _seconds(until),
+                                      **self._store_kwargs)
                 except (RuntimeError, OSError) as exc:
                     raise _StoreUnreachable(exc) from exc
                 client.set_timeout(timeout)
@@ -528,15 +564,12 @@ def _raise_signal_exception(signum: int, frame) -> None:
 
 
 def _consul_config(endpoint: str, conf: dict) -> ConsulConfig:
-    ssl = conf.get("ssl")
-    use_ssl = None
-    if ssl not in (None, ""):
-        use_ssl = str(ssl).strip().lower() in ("1", "true", "yes", "on", "t", "y")
     return ConsulConfig.resolve(
         address=endpoint or None,
         token_file=conf.get("token_file") or None,
         datacenter=conf.get("datacenter") or None,
-        use_ssl=use_ssl,
+        use_ssl=conf_bool(conf, "ssl"),
+        verify=conf_bool(conf, "verify"),
         ca_file=conf.get("ca_file") or None,
         ca_path=conf.get("ca_path") or None,
         client_cert=conf.get("client_cert") or None,
@@ -591,7 +624,8 @@ def create_handler(params: RendezvousParameters) -> ConsulRendezvousHandler:
     client = ConsulClient(config, retry_timeout=settings.consul_timeout)
     local_addr = params.local_addr or conf.get("local_addr") or None
     handler = ConsulRendezvousHandler(settings, client, node_id=conf.get("node_id") or None,
-                                      local_addr=local_addr)
+                                      local_addr=local_addr,
+                                      use_libuv=conf_bool(conf, "use_libuv"))
     rdzv = handler.rendezvous
     try:
         # torchrun creates the handler when the agent starts: show up in Consul right away

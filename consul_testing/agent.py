@@ -58,9 +58,10 @@ class ConsulAgent(DevAgent):
 
     def __init__(self, *, acl: bool = False, tls: bool = False, verify_incoming: bool = False,
                  extra_hcl: str = "", workdir: str | None = None, node_name: str | None = None,
-                 binary: str | None = None, log_level: str = "info") -> None:
+                 binary: str | None = None, log_level: str = "info", host: str | None = None,
+                 http_port: int = 0) -> None:
         super().__init__(extra_hcl=extra_hcl, workdir=workdir, node_name=node_name,
-                         binary=binary, log_level=log_level)
+                         binary=binary, log_level=log_level, host=host, http_port=http_port)
         self.acl = acl
         self.tls = tls or verify_incoming
         self.verify_incoming = verify_incoming

@@ -367,6 +367,8 @@ class ConsulCluster:
     at ``raft_multiplier = 1``. ``extra_hcl`` is a last configuration file: it overrides.
     As root, every member runs under a uid of its own (``separate_uids``), which partitions
     need; its files are in ``workdir`` (default: a new temporary directory, removed on close).
+    Servers are named ``server-0``, ...; client agents ``client-0``, ... unless
+    ``client_names`` names them (Consul node names: per-team ACL session rules need them).
 
     Failure injection: each member's :meth:`~ClusterMember.kill`, ``stop``, ``start``,
     ``restart``, ``freeze``, ``thaw``; :meth:`partition` / :meth:`heal` cut members off the
@@ -378,9 +380,17 @@ class ConsulCluster:
                  tls: bool = False, fast: bool = True, extra_hcl: str = "",
                  workdir: str | None = None, binary: str | None = None,
                  log_level: str = "info", retry_interval: str = "200ms",
-                 separate_uids: bool | None = None) -> None:
+                 separate_uids: bool | None = None,
+                 client_names: list[str] | None = None) -> None:
         if servers < 1 or clients < 0 or servers + clients > _UIDS_PER_CLUSTER - 1:
             raise ValueError(f"bad cluster size: {servers} servers, {clients} clients")
+        names = list(client_names) if client_names is not None else [
+            f"client-{i}" for i in range(clients)]
+        if len(names) != clients or len(set(names)) != clients or any(
+                not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}", n) or n.startswith("server-")
+                for n in names):
+            raise ValueError(f"client_names {client_names!r}: give {clients} distinct names of "
+                             "letters, digits and '-' (not server-N)")
         self.acl = acl
         self.tls = tls
         self.fast = fast
@@ -399,7 +409,7 @@ class ConsulCluster:
         self.members: list[ClusterMember] = []
         for i in range(servers + clients):
             is_server = i < servers
-            name = f"server-{i}" if is_server else f"client-{i - servers}"
+            name = f"server-{i}" if is_server else names[i - servers]
             uid = None if self.uid_base is None else self.uid_base + 1 + i
             self.members.append(ClusterMember(self, name, f"{self.block}.{i + 2}",
                                               is_server=is_server, uid=uid))

@@ -6,9 +6,14 @@
 # and removing any one of them makes a job fail at once with an error naming it
 # (tests/test_acl_policy.py checks all of this against this very file).
 #
-# Create the policy and a token holding only it (with a management token in CONSUL_HTTP_TOKEN):
+# <node-prefix> below is the prefix that the Consul node names of the job's agents share: the
+# client agents of the training hosts (their node names default to the host names, e.g. "gpu-"
+# for gpu-001, gpu-002, ...), or, without client agents, the servers the nodes talk to (e.g.
+# "consul-server-" with the Helm chart). Put it in when you create the policy (with a
+# management token in CONSUL_HTTP_TOKEN):
 #
-#   consul acl policy create -name consul-rdzv -rules @docs/acl-policy.hcl
+#   sed 's/<node-prefix>/gpu-/' docs/acl-policy.hcl \
+#     | consul acl policy create -name consul-rdzv -rules -
 #   consul acl token create -description "torchrun jobs" -policy-name consul-rdzv
 #
 # and give the token's SecretID to every node of the job: CONSUL_HTTP_TOKEN, or better
@@ -20,7 +25,7 @@
 #   --rdzv-conf service_name=trainers     ->  service "trainers"          (one service name for
 #       every run, so an exact rule; the default is one service per run, torchelastic-<run_id>,
 #       hence the prefix rule)
-# The session rule does not depend on either.
+# Several teams on one Consul, each unable to touch the others' runs: docs/acl-team-policy.hcl.
 #
 # Not needed, verified: node_prefix (a session bound to the node's serfHealth check needs only
 # session write on that node), agent_prefix (the job never calls /v1/agent/self), operator,
@@ -50,10 +55,18 @@ service_prefix "torchelastic-" {
 }
 
 # Each node's session, bound to its TTL check: create, probe (renew), read, destroy. Consul
-# checks session write on the name of the Consul node whose agent the job talks to, which can
-# be any host of the cluster, hence "". A process that takes its node id over from a
-# predecessor destroys the predecessor's session, which may live on another node. If every
-# node name of your cluster shares a prefix (e.g. "gpu-"), that prefix may replace "".
-session_prefix "" {
+# knows no narrower session rule than a Consul node name (agent/consul/session_endpoint.go:
+# session write on the node the session lives on, for create, renew and destroy alike; reads
+# are filtered by session read on it): not the session's name, nor the token that created it.
+# So this rule lets the token destroy ANY session on those nodes, other applications' locks
+# included (and a destroyed session with behavior "delete" deletes the keys it holds). Keep the
+# prefix to the training hosts' node names. A process that takes its node id over from a
+# predecessor destroys the predecessor's session, which may live on another of these nodes.
+#
+# Fallback, with that risk for EVERY node of the datacenter: session_prefix "" (any node name),
+# for fleets whose node names share no prefix. Without client agents every session lives on a
+# server, so the prefix of the servers' names is as broad in effect: any token with it can
+# destroy every session on the servers (see docs/configuration.md, "ACL").
+session_prefix "<node-prefix>" {
   policy = "write"
 }

@@ -1,8 +1,11 @@
-"""The shipped least-privilege ACL policy (docs/acl-policy.hcl) against a real ACL agent.
+"""The shipped least-privilege ACL policies (docs/acl-policy.hcl, docs/acl-team-policy.hcl)
+against real ACL agents.
 
-Everything here is derived from the shipped file and nothing else: the policy is created from it
-through Consul's HTTP API (``PUT /v1/acl/policy``, ``PUT /v1/acl/token``, with the agent's
-management token), and the reduced policies are that file with one rule block removed.
+Everything here is derived from the shipped files and nothing else: a policy is created from a
+file, with its placeholder (``<node-prefix>``, ``<team>``) put in as the file says, through
+Consul's HTTP API (``PUT /v1/acl/policy``, ``PUT /v1/acl/token``, with the agent's management
+token) or through the very ``consul acl policy create`` command the file gives; the reduced
+policies are that file with one rule block removed.
 
 * a full torchrun job (2 nodes, a few steps, default key prefix and service name) succeeds with a
   token that holds only the shipped policy, is visible in the catalog while it runs, cleans up
@@ -12,7 +15,13 @@ management token), and the reduced policies are that file with one rule block re
   run), the exact resource denied, and the file;
 * a token whose key rule only reads fails the same way (Consul answers a denied transaction
   operation with a 409 rollback, which must not be mistaken for a conflict and retried);
-* a token Consul does not know is reported as unknown, not as a missing permission.
+* a token Consul does not know is reported as unknown, not as a missing permission;
+* the session rule is narrowed to the node-name prefix of the job's agents: the file used as is
+  (placeholder not put in) is refused naming the rule for the node, and the token cannot destroy
+  a session on any other Consul node;
+* two teams, each with the per-team policy, their own key prefix, service name and client
+  agents (a real cluster), run side by side and neither token can read, join, close, break or
+  deregister anything of the other team's run.
 """
 
 from __future__ import annotations
@@ -20,8 +29,10 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import subprocess
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,6 +44,10 @@ from torchrun_jobs import TorchrunJob
 from consul_rdzv.torch import ConsulRendezvousHandler
 
 POLICY_FILE = Path(__file__).resolve().parent.parent / "docs" / "acl-policy.hcl"
+TEAM_POLICY_FILE = POLICY_FILE.with_name("acl-team-policy.hcl")
+#: The placeholders the files ask to replace.
+NODE_PREFIX = "<node-prefix>"
+TEAM = "<team>"
 
 #: One rule block of an HCL policy: ``kind "name" { ... }`` (no nested blocks in a rule).
 _BLOCK = re.compile(r'^(?P<kind>[a-z_]+)\s+"(?P<name>[^"]*)"\s*\{[^{}]*\}[ \t]*\n?', re.MULTILINE)
@@ -48,8 +63,19 @@ def _strip_comments(text: str) -> str:
     return "\n".join(line.split("#", 1)[0] for line in text.splitlines()) + "\n"
 
 
-def shipped_policy() -> str:
+def shipped_file() -> str:
     return POLICY_FILE.read_text()
+
+
+def shipped_policy(node_prefix: str) -> str:
+    """The shipped policy with the node-name prefix of the job's agents put in."""
+    text = shipped_file()
+    assert text.count(f'"{NODE_PREFIX}"') == 1
+    return text.replace(NODE_PREFIX, node_prefix)
+
+
+def team_policy(team: str) -> str:
+    return TEAM_POLICY_FILE.read_text().replace(TEAM, team)
 
 
 def rule_blocks(policy: str) -> list[re.Match]:
@@ -151,15 +177,56 @@ def refused(handler: ConsulRendezvousHandler) -> str:
 
 
 def test_shipped_policy_has_the_three_prefix_rules_for_the_defaults():
-    blocks = rule_blocks(shipped_policy())
+    blocks = rule_blocks(shipped_file())
     assert sorted(rule_header(b) for b in blocks) == [
-        'key_prefix "torchelastic/"', 'service_prefix "torchelastic-"', 'session_prefix ""'], \
-        [b.group(0) for b in blocks]
+        'key_prefix "torchelastic/"', 'service_prefix "torchelastic-"',
+        f'session_prefix "{NODE_PREFIX}"'], [b.group(0) for b in blocks]
     for block in blocks:
         assert re.search(r'policy\s*=\s*"write"', block.group(0)), block.group(0)
-    text = shipped_policy()
-    assert "consul acl policy create -name consul-rdzv -rules @docs/acl-policy.hcl" in text
+    text = shipped_file()
+    assert f"sed 's/{NODE_PREFIX}/gpu-/' docs/acl-policy.hcl" in text
+    assert "consul acl policy create -name consul-rdzv -rules -" in text
     assert "consul acl token create" in text and "-policy-name consul-rdzv" in text
+    # The broad rule is only a documented fallback, with its risk.
+    assert 'Fallback, with that risk for EVERY node of the datacenter: session_prefix ""' in text
+
+
+def _commands(text: str, first: str) -> list[str]:
+    """The shell command of a file's comment that starts with ``first`` (with its ``\\``
+    continuation lines joined)."""
+    lines = [line.lstrip("# ").rstrip() for line in text.splitlines()]
+    start = next(i for i, line in enumerate(lines) if line.startswith(first))
+    command = lines[start]
+    while command.endswith("\\"):
+        start += 1
+        command = command[:-1] + " " + lines[start]
+    return command
+
+
+@pytest.mark.parametrize(("path", "placeholder", "value"), [
+    (POLICY_FILE, NODE_PREFIX, "gpu-"), (TEAM_POLICY_FILE, TEAM, "vision")])
+def test_the_files_own_create_command_makes_the_policy(acl_agent, acl, tmp_path, path,
+                                                       placeholder, value):
+    """The command each file gives, run as written (sed, then consul acl policy create reading
+    the rules from stdin), creates a policy whose rules are the file's with the value put in."""
+    from consul_rdzv.testing import consul_binary
+
+    command = _commands(path.read_text(), "sed ")
+    name = f"consul-rdzv-{uuid.uuid4().hex[:8]}"
+    command = re.sub(r"-name \S+", f"-name {name}", command)
+    assert f"s/{placeholder}/{value}/" in command and command.endswith("-rules -"), command
+    (tmp_path / "consul").symlink_to(consul_binary())
+    env = {"CONSUL_HTTP_ADDR": acl_agent.address, "CONSUL_HTTP_TOKEN": acl_agent.management_token,
+           "PATH": f"{tmp_path}:/usr/bin:/bin"}
+    proc = subprocess.run(["bash", "-c", command], cwd=path.parent.parent, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    policy = acl.api("GET", f"/v1/acl/policy/name/{name}")
+    acl._made.append(("policy", policy["ID"]))
+    expected = path.read_text().replace(placeholder, value)
+    assert [rule_header(b) for b in rule_blocks(policy["Rules"])] == \
+        [rule_header(b) for b in rule_blocks(expected)]
+    assert placeholder not in "".join(b.group(0) for b in rule_blocks(policy["Rules"]))
 
 
 # ----------------------------------------------------------------------------- a real job
@@ -169,7 +236,7 @@ def test_shipped_policy_has_the_three_prefix_rules_for_the_defaults():
 @pytest.mark.timeout(240)
 def test_torchrun_job_succeeds_with_a_token_holding_only_the_shipped_policy(acl_agent, acl, run_id,
                                                                             tmp_path):
-    token = acl.token(shipped_policy())
+    token = acl.token(shipped_policy(acl_agent.node_name))
     management = acl_agent.client()
     service = f"torchelastic-{run_id}"
     conf = {"heartbeat_timeout": 2, "last_call_timeout": 1, "join_timeout": 60,
@@ -216,14 +283,19 @@ def test_torchrun_job_succeeds_with_a_token_holding_only_the_shipped_policy(acl_
 @pytest.mark.parametrize("index", range(3), ids=["rule-1", "rule-2", "rule-3"])
 def test_policy_without_one_rule_fails_fast_naming_it_as_shipped(acl_agent, acl, run_id,
                                                                  make_handler, index):
-    policy = shipped_policy()
+    policy = shipped_policy(acl_agent.node_name)
     blocks = rule_blocks(policy)
     assert len(blocks) == 3
     block = blocks[index]
     token = acl.token(without_block(policy, block))
     text = refused(make_handler(run_id, token["SecretID"]))
-    # The rule as the file ships it (the form that covers every run), with its access ...
-    assert f'{rule_header(block)} {{ policy = "write" }}' in text, text
+    # The rule as the file ships it (the form that covers every run), with its access; for a
+    # session, the exact rule for the denied node and the file's prefix rule ...
+    if block["kind"] == "session_prefix":
+        assert f'Add the rule session "{acl_agent.node_name}" {{ policy = "write" }}' in text
+        assert f'session_prefix "{NODE_PREFIX}" {{ policy = "write" }}' in text, text
+    else:
+        assert f'{rule_header(block)} {{ policy = "write" }}' in text, text
     assert "docs/acl-policy.hcl" in text, text
     # ... and the exact resource Consul denied.
     denied = {"key_prefix": f'"{block["name"]}{run_id}/',
@@ -234,9 +306,9 @@ def test_policy_without_one_rule_fails_fast_naming_it_as_shipped(acl_agent, acl,
     print(f"without {rule_header(block)}: {text}")
 
 
-def test_policy_whose_key_rule_only_reads_fails_fast_naming_the_write_rule(acl, run_id,
+def test_policy_whose_key_rule_only_reads_fails_fast_naming_the_write_rule(acl_agent, acl, run_id,
                                                                            make_handler):
-    policy = shipped_policy()
+    policy = shipped_policy(acl_agent.node_name)
     key = next(b for b in rule_blocks(policy) if b["kind"] == "key_prefix")
     text = _strip_comments(policy)
     reduced = (text[:key.start()] + key.group(0).replace('"write"', '"read"')
@@ -254,3 +326,162 @@ def test_unknown_token_is_reported_as_unknown_not_as_a_missing_permission(run_id
     assert "token is unknown to this Consul" in text, text
     assert "expired, deleted, or created in another Consul cluster" in text, text
     assert "lacks permission" not in text and "Add the rule" not in text, text
+
+
+# ----------------------------------------------------------------------------- session narrowing
+
+
+def test_policy_used_without_its_node_prefix_is_refused_naming_the_node_rule(acl_agent, acl,
+                                                                             run_id, make_handler):
+    """The file as is, its placeholder not put in: no session anywhere. The node fails at once
+    with the exact rule for its agent's node and the file's prefix rule."""
+    token = acl.token(shipped_file())
+    text = refused(make_handler(run_id, token["SecretID"]))
+    assert f"lacks permission 'session:write' on \"{acl_agent.node_name}\"" in text, text
+    assert f'Add the rule session "{acl_agent.node_name}" {{ policy = "write" }}' in text, text
+    assert f'session_prefix "{NODE_PREFIX}"' in text and "docs/acl-policy.hcl" in text, text
+
+
+def test_job_token_cannot_touch_sessions_on_other_consul_nodes(acl_agent, acl, run_id,
+                                                               make_handler):
+    """Another application's lock on another Consul node: the job's token neither reads nor
+    destroys its session (with session_prefix "" it could, which the fallback warns about)."""
+    from consul_rdzv.client import ConsulClient
+    from consul_rdzv.config import ConsulConfig
+    from consul_rdzv.errors import ConsulPermissionDenied
+
+    other = f"other-app-{uuid.uuid4().hex[:6]}"
+    acl.api("PUT", "/v1/catalog/register", {"Node": other, "Address": "127.0.0.9"})
+    try:
+        session = acl.api("PUT", "/v1/session/create",
+                          {"Node": other, "Name": "someone's lock", "NodeChecks": []})["ID"]
+        narrow = acl.token(shipped_policy(acl_agent.node_name))
+        broad = acl.token(shipped_policy(""))
+        # the job itself works with the narrow token
+        info = make_handler(run_id, narrow["SecretID"]).next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+
+        def client(token: dict) -> ConsulClient:
+            return ConsulClient(ConsulConfig.resolve(address=acl_agent.address,
+                                                     token=token["SecretID"], env={}))
+
+        job = client(narrow)
+        try:
+            assert job.session_info(session) is None  # filtered: no session read there
+            with pytest.raises(ConsulPermissionDenied, match=f"session:write' on \"{other}\""):
+                job.session_destroy(session)
+        finally:
+            job.close()
+        assert acl.api("GET", f"/v1/session/info/{session}"), "the other lock is gone"
+        wide = client(broad)
+        try:  # the fallback's risk, shown
+            wide.session_destroy(session)
+        finally:
+            wide.close()
+        assert acl.api("GET", f"/v1/session/info/{session}") in (None, [], {})
+    finally:
+        acl.api("PUT", "/v1/catalog/deregister", {"Node": other})
+
+
+# ----------------------------------------------------------------------------- two teams
+
+
+@pytest.fixture(scope="module")
+def team_cluster():
+    """A real ACL cluster: one server, and one client agent per team named after the team
+    (the layout docs/acl-team-policy.hcl asks for)."""
+    from consul_rdzv.testing import ConsulCluster
+
+    cluster = ConsulCluster(servers=1, clients=2, acl=True,
+                            client_names=["team-a-host0", "team-b-host0"]).start()
+    yield cluster
+    cluster.close()
+
+
+@pytest.mark.timeout(180)
+def test_two_teams_cannot_touch_each_others_runs(team_cluster, tmp_path):
+    from consul_rdzv.client import ConsulClient
+    from consul_rdzv.config import ConsulConfig
+    from consul_rdzv.errors import ConsulPermissionDenied, RendezvousConnectionError
+    from consul_rdzv.rendezvous import ConsulRendezvous
+    from consul_rdzv.settings import RendezvousSettings
+
+    admin = Acl(team_cluster.servers[0])
+    hosts = dict(zip(("team-a", "team-b"), team_cluster.clients, strict=True))
+    tokens = {team: admin.token(team_policy(team))["SecretID"] for team in hosts}
+    made: list[ConsulRendezvous] = []
+
+    def client(team: str, member) -> ConsulClient:
+        return ConsulClient(ConsulConfig.resolve(address=member.address, token=tokens[team],
+                                                 env={}), retry_timeout=3.0)
+
+    def node(team: str, node_id: str, *, of: str | None = None, member=None) -> ConsulRendezvous:
+        """A node with ``team``'s token, in the run of team ``of`` (its own by default), on
+        ``member`` (its own team's agent by default)."""
+        owner = of or team
+        settings = RendezvousSettings(
+            run_id="job-1", key_prefix=f"teams/{owner}", service_name=f"{owner}-torchelastic",
+            min_nodes=2, max_nodes=2, heartbeat_timeout=5, last_call_timeout=0.5,
+            join_timeout=30, consul_timeout=3, close_timeout=5)
+        n = ConsulRendezvous(settings, client(team, member or hosts[team]), node_id=node_id,
+                             endpoint_provider=lambda: {"host": "127.0.0.1", "port": 1})
+        made.append(n)
+        return n
+
+    try:
+        # Each team's run, same run id, side by side: both form their round.
+        runs = {team: [node(team, f"{team}-n{i}") for i in range(2)] for team in hosts}
+        with ThreadPoolExecutor(4) as pool:
+            futures = {n.node_id: pool.submit(n.next_round) for ns in runs.values() for n in ns}
+            results = {k: f.result(60) for k, f in futures.items()}
+        for team, ns in runs.items():
+            assert {results[n.node_id].world_size for n in ns} == {2}
+            for n in ns:
+                info = admin.api("GET", f"/v1/session/info/{n.session_id}")
+                assert info[0]["Node"] == hosts[team].name
+        victims = runs["team-a"]
+        sessions = [n.session_id for n in victims]
+
+        # Team B's token against team A's run, through either team's agent.
+        for member in hosts.values():
+            b = client("team-b", member)
+            try:
+                assert b.kv_list("teams/team-a/").data == []  # nothing visible
+                with pytest.raises(ConsulPermissionDenied):
+                    b.kv_put("teams/team-a/job-1/round/current", b"{}")
+                with pytest.raises(ConsulPermissionDenied):
+                    b.kv_delete("teams/team-a/", recurse=True)
+                with pytest.raises(ConsulPermissionDenied):
+                    b.session_destroy(sessions[0])
+                assert b.session_info(sessions[0]) is None
+            finally:
+                b.close()
+        b_on_a = client("team-b", hosts["team-a"])
+        try:
+            with pytest.raises(ConsulPermissionDenied, match="service:write"):
+                b_on_a.agent_service_deregister(victims[0].registration.service_id)
+        finally:
+            b_on_a.close()
+        # Joining team A's run, closing it, or running on team A's agent: refused at once.
+        for intruder in (node("team-b", "intruder-1", of="team-a"),
+                         node("team-b", "intruder-2", member=hosts["team-a"])):
+            started = time.monotonic()
+            with pytest.raises(RendezvousConnectionError, match="lacks permission"):
+                intruder.next_round()
+            assert time.monotonic() - started < FAIL_FAST
+        with pytest.raises(RendezvousConnectionError):
+            node("team-b", "closer", of="team-a").close("not yours")
+
+        # Team A's run never noticed: sessions kept, nobody waiting, next round with both.
+        assert [n.session_id for n in victims] == sessions
+        assert all(n.num_nodes_waiting() == 0 for n in victims)
+        with ThreadPoolExecutor(2) as pool:
+            again = [f.result(60) for f in [pool.submit(n.next_round) for n in victims]]
+        assert {r.world_size for r in again} == {2}
+        assert again[0].round == results[victims[0].node_id].round + 1
+    finally:
+        for n in made:
+            n.settings = n.settings.with_(close_timeout=3)
+            n.leave()
+            n.client.close()
+        admin.close()

@@ -386,3 +386,107 @@ def test_cli_reference_names_every_command_and_option():
             for option in action.option_strings:
                 if option not in ("-h", "--help"):
                     assert option in reference, f"{name} {option} missing from docs/cli.md"
+
+
+# ----------------------------------------------------------------------------- agent
+
+
+def _http_get(host: str, port: int, path: str = "/v1/status/leader") -> int:
+    import http.client
+
+    conn = http.client.HTTPConnection(host, port, timeout=5)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def _start_agent(*args: str) -> tuple[subprocess.Popen, list[str]]:
+    """``consul-rdzv agent ARGS`` in the background; its stdout lines once it is up."""
+    proc = subprocess.Popen([*CLI, "agent", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + 60
+    while not any(line.startswith("export CONSUL_HTTP_ADDR=") for line in lines):
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"agent exited {proc.wait()}: {proc.stderr.read()}")
+        lines.append(line.rstrip("\n"))
+        assert time.monotonic() < deadline, lines
+    return proc, lines
+
+
+def _stop_agent(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    return proc.stderr.read()
+
+
+def test_agent_default_is_local_only_and_quiet():
+    proc, lines = _start_agent()
+    try:
+        address = lines[-1].split("=", 1)[1]
+        host, port = address.rsplit(":", 1)
+        assert host == "127.0.0.1"
+        assert _http_get(host, int(port)) == 200
+    finally:
+        stderr = _stop_agent(proc)
+    assert "WARNING" not in stderr and "other hosts" not in "\n".join(lines)
+
+
+def test_agent_bind_serves_that_address_only_with_a_loud_warning():
+    """--bind 127.0.0.2 --port P: the HTTP API answers at 127.0.0.2:P (where another host
+    would reach it), not at 127.0.0.1:P; the warning says it is unsecured."""
+    port = free_port("127.0.0.2")
+    proc, lines = _start_agent("--bind", "127.0.0.2", "--port", str(port))
+    try:
+        text = "\n".join(lines)
+        assert f"Consul dev agent at http://127.0.0.2:{port}" in text, text
+        assert lines[-1] == f"export CONSUL_HTTP_ADDR=127.0.0.2:{port}", text
+        assert _http_get("127.0.0.2", port) == 200
+        with pytest.raises(ConnectionRefusedError):
+            _http_get("127.0.0.1", port)
+        # a job on "another host" uses it through CONSUL_HTTP_ADDR
+        status = cli("list", "--key-prefix", "nothing-here",
+                     env={"CONSUL_HTTP_ADDR": f"127.0.0.2:{port}"})
+        assert status.returncode == 0, status.stderr
+    finally:
+        stderr = _stop_agent(proc)
+    assert f"WARNING: this Consul dev agent listens on 127.0.0.2:{port} UNSECURED" in stderr
+    assert "no ACLs, no TLS" in stderr
+
+
+def test_agent_address_option_is_honoured():
+    port = free_port("127.0.0.3")
+    proc, lines = _start_agent("--address", f"127.0.0.3:{port}")
+    try:
+        assert lines[-1] == f"export CONSUL_HTTP_ADDR=127.0.0.3:{port}"
+        assert _http_get("127.0.0.3", port) == 200
+    finally:
+        assert "UNSECURED" in _stop_agent(proc)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--bind", "localhost"], "give an IPv4 address of this host, or 0.0.0.0"),
+    (["--bind", "::1"], "give an IPv4 address of this host"),
+    (["--port", "70000"], "give a port between 1 and 65535"),
+    (["--address", "https://127.0.0.2:8501"], "plain http only"),
+    (["--address", "127.0.0.2:8500", "--bind", "127.0.0.2"], "not both"),
+])
+def test_agent_bad_listen_address_is_a_usage_error(args, message):
+    proc = cli("agent", *args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.startswith("consul-rdzv agent: ") and message in proc.stderr, proc.stderr
+
+
+def test_agent_port_in_use_is_one_clear_line():
+    import socket
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.2", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        proc = cli("agent", "--bind", "127.0.0.2", "--port", str(port))
+    line = one_error_line(proc, "agent")
+    assert f"port {port} on 127.0.0.2 is not free" in line, line

@@ -88,6 +88,22 @@ def test_cluster_partition_raises_unsupported_if_members_share_the_test_uid():
         c.close()
 
 
+@pytest.mark.parametrize("names", [["a"], ["a", "a"], ["a", "b c"], ["a", "server-9"],
+                                   ["a", "-b"]])
+def test_cluster_refuses_bad_client_names(names):
+    with pytest.raises(ValueError, match="client_names"):
+        ConsulCluster(servers=1, clients=2, client_names=names)
+
+
+def test_cluster_names_its_client_agents_as_told():
+    c = ConsulCluster(servers=1, clients=2, client_names=["team-a-0", "team-b-0"])
+    try:
+        assert [m.name for m in c.clients] == ["team-a-0", "team-b-0"]
+        assert [m.name for m in c.servers] == ["server-0"]
+    finally:
+        c.close()
+
+
 # ------------------------------------------------------------------------------- one cluster
 
 

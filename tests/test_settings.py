@@ -6,12 +6,18 @@ Pure logic, no Consul. Every bad value must fail early with a ValueError that na
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import pytest
 
 from consul_rdzv.settings import (
+    ADAPTER_KEYS,
+    BOOLEAN_KEYS,
+    C10D_KEEP_ALIVE_INTERVAL,
+    C10D_KEEP_ALIVE_MAX_ATTEMPT,
     CONNECTION_KEYS,
+    HEARTBEAT_TIMEOUT_DEFAULT,
     IGNORED_KEYS,
     VALID_KEYS,
     RendezvousSettings,
@@ -157,8 +163,10 @@ def test_conf_empty_values_mean_default():
     assert s == make(run_id="j")
 
 
-def test_conf_connection_and_ignored_keys_are_accepted_without_effect():
-    conf = {k: "x" for k in CONNECTION_KEYS} | {k: "1" for k in IGNORED_KEYS}
+def test_conf_connection_adapter_and_ignored_keys_are_accepted_without_effect():
+    conf = ({k: "x" for k in CONNECTION_KEYS} | {k: "x" for k in ADAPTER_KEYS}
+            | {k: "true" for k in BOOLEAN_KEYS} | {"store_type": "tcp"})
+    assert set(conf) >= set(IGNORED_KEYS)
     assert settings_from_conf("j", 1, 1, conf) == make(run_id="j")
     assert "node_id" in VALID_KEYS and list(VALID_KEYS) == sorted(VALID_KEYS)
 
@@ -181,3 +189,134 @@ def test_conf_unknown_key_lists_the_valid_ones():
 def test_conf_bad_values_name_their_key(conf, key):
     with pytest.raises(ValueError, match=key):
         settings_from_conf("j", 1, 2, conf)
+
+
+# ----------------------------------------------------------------------------- booleans
+
+
+@pytest.mark.parametrize("key", BOOLEAN_KEYS)
+@pytest.mark.parametrize("value", ["treu", "2", "yess", "on off", "-1"])
+def test_conf_booleans_are_parsed_strictly(key, value):
+    with pytest.raises(ValueError, match=f"rdzv conf {key}={value!r} is not a boolean"):
+        settings_from_conf("j", 1, 1, {key: value})
+
+
+@pytest.mark.parametrize("key", BOOLEAN_KEYS)
+@pytest.mark.parametrize("value", ["true", "False", "1", "0", "yes", "NO", "on", "off", True, 0])
+def test_conf_booleans_accept_the_usual_spellings(key, value):
+    assert settings_from_conf("j", 1, 1, {key: value}) == make(run_id="j")
+
+
+# ----------------------------------------------------------------------------- c10d's keys
+
+
+def test_c10d_keep_alive_keys_map_onto_heartbeat_timeout(caplog):
+    """c10d: a node is dead after keep_alive_interval x keep_alive_max_attempt silent seconds,
+    which is what heartbeat_timeout says here: mapped, with one INFO line saying how."""
+    caplog.set_level(logging.INFO, logger="consul_rdzv.settings")
+    s = settings_from_conf("j", 1, 1, {"keep_alive_interval": "5",
+                                       "keep_alive_max_attempt": "3"})
+    assert (s.heartbeat_timeout, s.keep_alive_interval) == (15.0, 5.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert "keep_alive_interval=5, keep_alive_max_attempt=3" in lines[0]
+    assert "heartbeat_timeout=15s" in lines[0] and "passed every 5s" in lines[0]
+
+
+@pytest.mark.parametrize(("conf", "ttl", "interval"), [
+    ({"keep_alive_interval": "10", "keep_alive_max_attempt": "4"}, 40.0, 10.0),
+    ({"keep_alive_interval": "2", "keep_alive_max_attempt": "2"}, 4.0, 2.0),
+    # one attempt: dead after one interval, so the check is passed every third of it
+    ({"keep_alive_interval": "9", "keep_alive_max_attempt": "1"}, 9.0, None),
+    # attempts alone: c10d's default interval
+    ({"keep_alive_max_attempt": "6"}, C10D_KEEP_ALIVE_INTERVAL * 6, C10D_KEEP_ALIVE_INTERVAL),
+    # interval alone, too long to be ours: c10d's default attempts
+    ({"keep_alive_interval": str(HEARTBEAT_TIMEOUT_DEFAULT)},
+     HEARTBEAT_TIMEOUT_DEFAULT * C10D_KEEP_ALIVE_MAX_ATTEMPT, HEARTBEAT_TIMEOUT_DEFAULT),
+])
+def test_c10d_keep_alive_mappings(conf, ttl, interval, caplog):
+    caplog.set_level(logging.INFO, logger="consul_rdzv.settings")
+    s = settings_from_conf("j", 1, 1, conf)
+    assert (s.heartbeat_timeout, s.keep_alive_interval) == (ttl, interval)
+    assert s.heartbeat_interval <= s.heartbeat_timeout / 2
+    assert [f"heartbeat_timeout={ttl:g}s" in r.getMessage() for r in caplog.records] == [True]
+
+
+def test_keep_alive_interval_alone_that_fits_is_ours_and_logs_nothing(caplog):
+    caplog.set_level(logging.INFO, logger="consul_rdzv.settings")
+    s = settings_from_conf("j", 1, 1, {"keep_alive_interval": "2"})
+    assert (s.heartbeat_timeout, s.keep_alive_interval) == (HEARTBEAT_TIMEOUT_DEFAULT, 2.0)
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize(("conf", "match"), [
+    ({"keep_alive_max_attempt": "3", "heartbeat_timeout": "10"},
+     "keep_alive_max_attempt .c10d's. and heartbeat_timeout both set"),
+    ({"keep_alive_max_attempt": "0"}, "keep_alive_max_attempt='0' is not a whole number"),
+    ({"keep_alive_max_attempt": "three"}, "keep_alive_max_attempt='three'"),
+    ({"keep_alive_interval": "0.1", "keep_alive_max_attempt": "3"},
+     r"0.1s x 3 = 0.3s .*must be at least 1 second"),
+    # ours, explicit: the interval must fit, and the message names c10d's way out
+    ({"keep_alive_interval": "6", "heartbeat_timeout": "10"},
+     r"keep_alive_interval \(6\) must be at most half of heartbeat_timeout \(10s\).*"
+     "keep_alive_max_attempt"),
+])
+def test_c10d_keep_alive_conflicts_are_refused_naming_the_keys(conf, match):
+    with pytest.raises(ValueError, match=match):
+        settings_from_conf("j", 1, 1, conf)
+
+
+@pytest.mark.parametrize("key", sorted(IGNORED_KEYS))
+def test_c10d_keys_without_equivalent_are_ignored_with_one_info_line(key, caplog):
+    caplog.set_level(logging.INFO, logger="consul_rdzv.settings")
+    value = {"is_host": "true", "store_type": "file"}[key]
+    assert settings_from_conf("j", 1, 1, {key: value}) == make(run_id="j")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and f"{key}={value} (c10d's) is ignored: " in lines[0], lines
+    assert IGNORED_KEYS[key] in lines[0]
+
+
+def test_c10d_store_type_is_validated_as_c10d_would():
+    with pytest.raises(ValueError, match="store_type='etcd' is invalid: c10d knows tcp and file"):
+        settings_from_conf("j", 1, 1, {"store_type": "etcd"})
+
+
+def test_a_whole_c10d_conf_carries_over():
+    """What a c10d user passes (torch's documented keys), plus torchrun's injected timeout."""
+    conf = {"join_timeout": "600", "last_call_timeout": "10", "close_timeout": "20",
+            "read_timeout": "45", "keep_alive_interval": "5", "keep_alive_max_attempt": "3",
+            "is_host": "false", "store_type": "tcp", "use_libuv": "true", "timeout": 900}
+    s = settings_from_conf("j", 2, 4, conf)
+    assert (s.join_timeout, s.last_call_timeout, s.close_timeout, s.read_timeout) == \
+        (600.0, 10.0, 20.0, 45.0)
+    assert (s.heartbeat_timeout, s.keep_alive_interval) == (15.0, 5.0)
+
+
+def test_token_in_conf_is_refused_naming_token_file():
+    with pytest.raises(ValueError, match=r"rdzv conf key token is not accepted: .*ps.*"
+                                         "token_file=PATH"):
+        settings_from_conf("j", 1, 1, {"token": "secret-value"})
+
+
+# ----------------------------------------------------------------------------- store_port
+
+
+@pytest.mark.parametrize(("value", "ports"), [
+    ("29400", (29400, 29400)), ("29400-29499", (29400, 29499)), (" 1 - 65535 ", (1, 65535)),
+    (29401, (29401, 29401)), ("", None),
+])
+def test_store_port_forms(value, ports):
+    assert settings_from_conf("j", 1, 1, {"store_port": value}).store_port == ports
+
+
+@pytest.mark.parametrize("value", ["0", "65536", "29499-29400", "abc", "29400-", "1,2",
+                                   "29400:29499", "-5"])
+def test_bad_store_port_is_refused_with_the_forms_to_use(value):
+    with pytest.raises(ValueError, match=r"store_port.*(29400-29499|between 1 and 65535)"):
+        settings_from_conf("j", 1, 1, {"store_port": value})
+
+
+@pytest.mark.parametrize("value", [(0, 1), (5, 4), (1, 70000), [1, 2], (True, 2), 29400])
+def test_bad_store_port_in_the_api_is_refused(value):
+    with pytest.raises(ValueError, match="store_port"):
+        make(store_port=value)

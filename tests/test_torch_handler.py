@@ -608,3 +608,170 @@ def test_back_to_back_rounds_stay_within_the_request_budget(fresh_agent, prefix,
           f"took {', '.join(f'{t:.3f}s' for t in took)}")
     assert per_node_round <= 6, per_node_round
     assert pass_rate <= 1.2 / interval, pass_rate
+
+
+# ----------------------------------------------------------------------------- store_port
+
+
+def free_port_range(count: int, host: str = "127.0.0.1") -> tuple[int, int]:
+    """``count`` consecutive ports that nothing listens on (below the kernel's ephemeral range,
+    where the handlers' own sockets of other tests do not land)."""
+    import random
+    import socket
+
+    rng = random.SystemRandom()
+    for _ in range(200):
+        first = rng.randrange(20000, 32000 - count)
+        socks = []
+        try:
+            for port in range(first, first + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, port))
+            return first, first + count - 1
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def test_store_port_range_pins_every_rounds_trainer_store(agent, prefix, run_id, make_handler,
+                                                          pool):
+    """store_port=A-B: every node reserves its store socket in the range, so rank 0's trainer
+    store is always there; in the next round (torchrun still holds the previous round's store,
+    as the infos here do) rank 0 takes the next free port of the range."""
+    first, last = free_port_range(4)
+    handlers = [make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=2,
+                             node_id=f"node-{i}", store_port=f"{first}-{last}")
+                for i in range(2)]
+    assert handlers[0].rendezvous.settings.store_port == (first, last)
+    rounds = []
+    for round_no in range(3):
+        infos = rendezvous_all(pool, handlers)
+        _, port = assert_one_live_store(infos, f"ports{round_no}")
+        assert first <= port <= last, (port, first, last)
+        rounds.append((port, infos))  # kept alive, as torchrun keeps the store of its round
+    assert rounds[1][0] != rounds[0][0], "round 2 got the port round 1's store still holds"
+
+
+def test_store_port_exhausted_is_a_clear_error(agent, prefix, run_id, make_handler):
+    """One port, still held by the previous round's store: the next round fails at once with
+    an error that names the setting, the range and what to give instead; a port held by
+    another program likewise."""
+    import socket
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+
+    port, _ = free_port_range(1)
+    handler = make_handler(agent.address, run_id, prefix, store_port=str(port))
+    info = handler.next_rendezvous()
+    assert endpoint_of(info) == ("127.0.0.1", port)
+    started = time.monotonic()
+    with pytest.raises(RendezvousStateError) as error:
+        handler.next_rendezvous()  # `info` still holds round 1's store on the only port
+    assert time.monotonic() - started < 10
+    text = str(error.value)
+    assert f"found no free port for its trainer store in store_port={port} on 127.0.0.1" in text
+    assert "at least two ports per torchrun agent" in text, text
+    del info
+
+    other, _ = free_port_range(2)
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", other))
+    squatter.listen()
+    try:
+        blocked = make_handler(agent.address, f"{run_id}-b", prefix,
+                               store_port=f"{other}-{other}")
+        with pytest.raises(RendezvousStateError, match=f"store_port={other} on 127.0.0.1: all 1"):
+            blocked.next_rendezvous()
+        admin = agent.client()
+        try:  # it announced nothing: no member key of it waits for a round
+            assert admin.kv_list(blocked.rendezvous.keys.members).data == []
+        finally:
+            admin.close()
+    finally:
+        squatter.close()
+
+
+@pytest.mark.parametrize("value", ["0", "70000", "29500-29400", "many"])
+def test_bad_store_port_is_refused_when_the_handler_is_built(agent, prefix, run_id, value):
+    with pytest.raises(ValueError, match="store_port"):
+        get_rendezvous_handler(make_params(agent.address, run_id, prefix, store_port=value))
+
+
+def test_use_libuv_sets_the_trainer_store_backend(agent, prefix, run_id, make_handler, pool):
+    for libuv in (False, True):
+        handlers = [make_handler(agent.address, f"{run_id}-{libuv}", prefix, min_nodes=2,
+                                 max_nodes=2, node_id=f"node-{i}", use_libuv=str(libuv))
+                    for i in range(2)]
+        infos = rendezvous_all(pool, handlers)
+        assert_one_live_store(infos, f"libuv-{libuv}")
+        rank0 = handlers[[i.rank for i in infos].index(0)]
+        assert rank0._server is not None and rank0._server.libuvBackend is libuv
+
+
+# ----------------------------------------------------------------------------- c10d conf
+
+
+def test_c10d_conf_carries_over_through_torchs_registry(agent, prefix, caplog):
+    """c10d's keys as a c10d user passes them: the keep-alive pair becomes the check TTL with
+    one INFO line, the keys without equivalent are accepted and said to be ignored."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="consul_rdzv")
+    s = _settings(agent, prefix, keep_alive_interval="5", keep_alive_max_attempt="3",
+                  is_host="true", store_type="tcp", read_timeout="30")
+    assert (s.heartbeat_timeout, s.keep_alive_interval, s.read_timeout) == (15.0, 5.0, 30.0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "consul_rdzv.settings"]
+    assert len(lines) == 3, lines
+    assert any("heartbeat_timeout=15s" in line for line in lines)
+    assert any(line.startswith("rdzv conf is_host=true (c10d's) is ignored") for line in lines)
+
+
+@pytest.mark.parametrize("key", ["ssl", "verify", "use_libuv", "is_host"])
+def test_conf_booleans_are_strict_in_the_handler(agent, prefix, run_id, key):
+    """ssl=treu used to mean false (and plain http): now every boolean goes through the one
+    parser of consul_rdzv/config.py."""
+    with pytest.raises(ValueError, match=f"rdzv conf {key}='treu' is not a boolean"):
+        get_rendezvous_handler(make_params(agent.address, run_id, prefix, **{key: "treu"}))
+
+
+def test_conf_ssl_and_verify_reach_the_consul_config(agent, prefix, run_id):
+    from consul_rdzv.torch import _consul_config
+
+    config = _consul_config("127.0.0.1:8501", {"ssl": "yes", "verify": "false"})
+    assert (config.url, config.verify) == ("https://127.0.0.1:8501", False)
+    config = _consul_config("127.0.0.1:8500", {"ssl": "0"})
+    assert (config.url, config.verify) == ("http://127.0.0.1:8500", True)
+
+
+def test_torchruns_injected_timeout_is_our_default_join_timeout():
+    """torchrun always passes timeout=900 (LaunchConfig's default): it is our join_timeout's
+    default too, so a node waits as long under torchrun as through the API, as documented."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from consul_rdzv.settings import RendezvousSettings
+
+    injected = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).rdzv_configs["timeout"]
+    assert injected == RendezvousSettings(run_id="j").join_timeout == 900
+
+
+def test_torchrun_warns_about_master_addr_whenever_rdzv_endpoint_is_empty(caplog):
+    """torch's own warning (torch/distributed/run.py config_from_args), printed for every
+    backend but static when --rdzv-endpoint is empty: docs/configuration.md says so and how to
+    avoid it (give --rdzv-endpoint)."""
+    import logging
+
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    warning = "master_addr is only used for static rdzv_backend"
+    for endpoint, expected in (([], True), (["--rdzv-endpoint=127.0.0.1:8500"], False)):
+        caplog.clear()
+        args = get_args_parser().parse_args(
+            ["--nnodes=1", "--rdzv-backend=consul", "--rdzv-id=j", *endpoint, "train.py"])
+        with caplog.at_level(logging.WARNING):
+            config_from_args(args)
+        assert any(warning in r.getMessage() for r in caplog.records) is expected, \
+            [r.getMessage() for r in caplog.records]

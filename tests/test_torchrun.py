@@ -241,8 +241,11 @@ def test_waiting_agent_shows_progress_in_torchs_format_without_any_logging_setup
 
 
 def default_conf(prefix: str) -> dict:
-    """No timeouts: torchrun's own timeout=900 becomes join_timeout; consul_timeout is 10 s."""
-    return {"key_prefix": prefix}
+    """No join timeout: torchrun's own timeout=900 is join_timeout. consul_timeout 10 s: the
+    default (60 s, to ride out a leader election) would make each of these tests a minute long;
+    what they check is that a broken Consul fails the job within consul_timeout, never after
+    join_timeout."""
+    return {"key_prefix": prefix, "consul_timeout": 10}
 
 
 def time_to_exit(job: TorchrunJob, timeout: float) -> tuple[int | None, float]:
