@@ -734,6 +734,13 @@ class Registration:
         with self._register_lock:
             if self._closed:
                 return
+            # The agent must still hold *our* registration (one agent-local lookup): a newer
+            # process with our node id may have registered since (while this one was frozen
+            # for a moment), and a re-registration would take the service back from it.
+            if self._holds_us(self.client) is not True:
+                logger.debug("Node %s does not publish its service meta: its agent does not "
+                             "hold its registration now.", self.node_id)
+                return
             try:
                 self.client.agent_service_register(
                     self.definition(),

@@ -155,6 +155,7 @@ def test_each_documented_key_is_accepted_with_a_plausible_value(key):
              "store_type": "tcp", "store_port": "29400-29401", "rank_policy": "stable",
              "topology_keys": "zone", "node_meta": "zone=a", "node_rank": "0",
              "keep_alive_max_attempt": "3", "keep_alive_interval": "5",
+             "closed_retention": "600", "watch_wait": "30",
              "key_prefix": "p", "service_name": "s"}.get(key, "7" if key.endswith("timeout")
                                                           else "x")
     settings_from_conf("j", 1, 1, {key: value})
