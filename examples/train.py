@@ -39,6 +39,9 @@ def main() -> int:
     parser.add_argument("--sigterm-delay", type=float, default=None,
                         help="on SIGTERM, go on for this many seconds before exiting, as a worker "
                              "that writes a checkpoint first would (default: exit at once)")
+    parser.add_argument("--final-work", default="",
+                        help="RANK:SECONDS: after training, that rank works this long on its "
+                             "own (a final evaluation, a checkpoint upload) before it exits")
     args = parser.parse_args()
     if args.sigterm_delay is not None:
         delay = args.sigterm_delay
@@ -99,6 +102,12 @@ def main() -> int:
         Path(args.out, f"rank-{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+    if args.final_work:
+        final_rank, seconds = args.final_work.split(":")
+        if rank == int(final_rank):
+            progress("final-work", seconds=float(seconds))
+            time.sleep(float(seconds))
+            progress("final-done")
     return 0
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+#: torchrun with a lowered exit-barrier timeout (``exit_barrier=`` below)
+LAUNCHER = Path(__file__).resolve().parent / "torchrun_launcher.py"
 
 #: torch's log line prefix: ``I1203 04:51:24.873000 13557 torch/...py:553] ...``
 _TORCH_LOG = re.compile(r"^[IWE](\d{4}) (\d\d:\d\d:\d\d\.\d+) \d+ ")
@@ -65,7 +67,8 @@ class Agent:
 class TorchrunJob:
     def __init__(self, workdir: Path, endpoint: str, run_id: str, *, nnodes: str,
                  rdzv_conf: dict | None = None, train_args: list[str] | None = None,
-                 max_restarts: int = 0, env: dict | None = None) -> None:
+                 max_restarts: int = 0, env: dict | None = None,
+                 exit_barrier: float | None = None) -> None:
         self.workdir = Path(workdir)
         self.out = self.workdir / "out"
         self.out.mkdir(parents=True, exist_ok=True)
@@ -78,6 +81,12 @@ class TorchrunJob:
         self.max_restarts = max_restarts
         env = {**os.environ, "LOGLEVEL": "INFO", "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": "1", **(env or {})}
+        # torch's agent waits up to 300 s at its exit barrier; tests of a node that finishes
+        # long before the others lower it (tests/torchrun_launcher.py)
+        self.launcher = ([str(LAUNCHER)] if exit_barrier is not None
+                         else ["-m", "torch.distributed.run"])
+        if exit_barrier is not None:
+            env["CONSUL_RDZV_TEST_EXIT_BARRIER"] = str(exit_barrier)
         self.env = {k: v for k, v in env.items() if v is not None}  # None: unset it
         self.agents: list[Agent] = []
 
@@ -87,7 +96,7 @@ class TorchrunJob:
         values = {**self.rdzv_conf, "node_id": node_id, **conf}
         rdzv_conf = ",".join(f"{k}={v}" for k, v in values.items())
         return [
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, *self.launcher,
             f"--nnodes={self.nnodes}", "--nproc-per-node=1",
             "--rdzv-backend=consul", f"--rdzv-id={self.run_id}",
             f"--rdzv-endpoint={self.endpoint}", "--local-addr=127.0.0.1",

@@ -1,0 +1,28 @@
+"""``python tests/torchrun_launcher.py ARGS``: torchrun (``torch.distributed.run``) with the
+agent's exit-barrier timeout taken from ``CONSUL_RDZV_TEST_EXIT_BARRIER`` (seconds).
+
+torch's agent waits up to 300 s at its exit barrier for the other agents to finish; torchrun
+has no option for it. A test of a node that finishes that long before the others lowers it
+here instead of waiting five minutes. Nothing else changes.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch.distributed.elastic.agent.server import local_elastic_agent
+from torch.distributed.run import main
+
+_init = local_elastic_agent.LocalElasticAgent.__init__
+
+
+def _init_with_barrier(self, *args, **kwargs):
+    kwargs["exit_barrier_timeout"] = float(os.environ["CONSUL_RDZV_TEST_EXIT_BARRIER"])
+    _init(self, *args, **kwargs)
+
+
+if os.environ.get("CONSUL_RDZV_TEST_EXIT_BARRIER"):
+    local_elastic_agent.LocalElasticAgent.__init__ = _init_with_barrier  # type: ignore[method-assign]
+
+if __name__ == "__main__":
+    main()
