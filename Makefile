@@ -14,7 +14,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: demo test lint consul bench clean
 
-$(BIN)/.installed: pyproject.toml
+# consul_rdzv/__init__.py holds the version: reinstalling refreshes the editable metadata.
+$(BIN)/.installed: pyproject.toml consul_rdzv/__init__.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(if $(TORCH_PIN),$(BIN)/pip install -q $(TORCH_PIN))

@@ -1,20 +1,86 @@
-"""The package surface: exactly the public names, and no torch on import."""
+"""The package surface: exactly the public names, no torch on import, one version everywhere."""
 
+import ast
+import importlib.metadata
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import consul_rdzv
+from consul_rdzv import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "consul_rdzv"
 
 
 def test_all_lists_exactly_the_public_names():
     public = {n for n in vars(consul_rdzv) if not n.startswith("_")} | {"__version__"}
-    modules = {"client", "cli", "config", "errors", "layout", "planning", "ranks", "registration",
-               "rendezvous", "settings", "testing", "torch"}
+    modules = {"client", "cli", "config", "errors", "examples", "layout", "planning", "ranks",
+               "registration", "rendezvous", "settings", "testing", "torch"}
     assert set(consul_rdzv.__all__) == public - modules
     assert sorted(consul_rdzv.__all__) == consul_rdzv.__all__
 
 
 def test_import_does_not_import_torch():
-    code = ("import sys, consul_rdzv, consul_rdzv.cli, consul_rdzv.testing; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, consul_rdzv, consul_rdzv.cli, consul_rdzv.testing, "
+            "consul_rdzv.examples; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def imported_modules(path: Path, source: str | None = None) -> set[str]:
+    """Every module a file imports, at any level (relative imports resolved in consul_rdzv)."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    tree = ast.parse(source if source is not None else path.read_text(encoding="utf-8"))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(filter(None, [base, node.module or ""]))
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_only_the_adapter_and_the_example_script_import_torch():
+    """torch is imported by consul_rdzv/torch.py, and by the example training script that
+    torchrun runs; no other module of the package imports it, at any level."""
+    importers = {path.relative_to(ROOT).as_posix() for path in PACKAGE.rglob("*.py")
+                 if any(n == "torch" or n.startswith("torch.") for n in imported_modules(path))}
+    assert importers == {"consul_rdzv/torch.py", "consul_rdzv/examples/train.py"}
+
+
+def test_the_example_script_is_not_imported_by_the_package():
+    train = "consul_rdzv.examples.train"
+    # the check sees every way a module of the package could import it
+    for control in ("from .examples import train", "from .examples.train import main",
+                    "import consul_rdzv.examples.train",
+                    "def f():\n    from .examples import train\n"):
+        assert train in imported_modules(PACKAGE / "cli.py", control), control
+    for path in PACKAGE.rglob("*.py"):
+        assert train not in imported_modules(path), path
+
+
+def test_version_has_one_source_and_the_cli_prints_the_installed_metadata():
+    """pyproject.toml writes no version: setuptools reads consul_rdzv.__version__, and
+    ``consul-rdzv --version`` prints it; the installed metadata agrees (reinstall after a
+    version change: the Makefile does, its venv depends on consul_rdzv/__init__.py)."""
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    project = pyproject.split("\n[project]\n", 1)[1].split("\n[", 1)[0]
+    assert not re.search(r"(?m)^version\s*=", project), "a hand-written version"
+    assert re.search(r'(?m)^dynamic = \["version"\]$', project)
+    assert re.search(r'(?m)^version = \{ attr = "consul_rdzv.__version__" \}$', pyproject)
+    installed = importlib.metadata.version("consul-rdzv")
+    assert installed == consul_rdzv.__version__
+    proc = subprocess.run([sys.executable, "-m", "consul_rdzv.cli", "--version"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert proc.stdout.strip() == f"{cli.PROG} {installed}"
+
+
+def test_demo_script_is_found_as_package_data():
+    with cli.demo_script() as script:
+        assert script.is_file() and script.parent.name == "examples"
+        assert "def main()" in script.read_text(encoding="utf-8")
+
