@@ -1,7 +1,9 @@
-"""The package surface: exactly the public names, no torch on import, one version everywhere."""
+"""The package surface: exactly the public names, no torch on import, one version everywhere,
+and a main test run that cannot lose its torch tests to a missing torch."""
 
 import ast
 import importlib.metadata
+import os
 import re
 import subprocess
 import sys
@@ -83,4 +85,24 @@ def test_demo_script_is_found_as_package_data():
     with cli.demo_script() as script:
         assert script.is_file() and script.parent.name == "examples"
         assert "def main()" in script.read_text(encoding="utf-8")
+
+
+def test_a_missing_torch_is_an_error_when_torch_is_required(tmp_path):
+    """With CONSUL_RDZV_REQUIRE_TORCH=1 (``make test`` sets it) a torch that cannot be imported
+    stops the run with one error, before any test runs; without it, torch-free tests run."""
+    blocked = tmp_path / "torch"
+    blocked.mkdir()
+    (blocked / "__init__.py").write_text("raise ImportError('torch blocked by the test')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           f"{__file__}::test_all_lists_exactly_the_public_names"]
+    required = subprocess.run(cmd, env={**env, "CONSUL_RDZV_REQUIRE_TORCH": "1"}, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+    assert required.returncode != 0, required.stdout + required.stderr
+    assert "torch blocked by the test" in required.stdout + required.stderr
+    assert "passed" not in required.stdout
+    optional = subprocess.run(cmd, env={**env, "CONSUL_RDZV_REQUIRE_TORCH": "0"}, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+    assert optional.returncode == 0, optional.stdout + optional.stderr
+    assert "1 passed" in optional.stdout
 
