@@ -106,3 +106,60 @@ def test_a_missing_torch_is_an_error_when_torch_is_required(tmp_path):
     assert optional.returncode == 0, optional.stdout + optional.stderr
     assert "1 passed" in optional.stdout
 
+
+# ----------------------------------------------------------------------------- compatibility.md
+
+COMPATIBILITY = ROOT / "docs" / "compatibility.md"
+
+
+def doc_table_row(first_cell: str) -> list[str]:
+    """The cells of the docs/compatibility.md table row whose first cell starts so."""
+    for line in COMPATIBILITY.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0].startswith(first_cell):
+            return cells
+    raise AssertionError(f"docs/compatibility.md has no table row {first_cell!r}")
+
+
+def backticked(text: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", text)
+
+
+def test_compatibility_python_versions_match_the_classifiers_and_the_makefile():
+    supported = re.findall(r"3\.\d+", doc_table_row("Python (CPython)")[1])
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    classifiers = re.findall(r'"Programming Language :: Python :: (3\.\d+)"', pyproject)
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    others = re.search(r"(?m)^OTHER_PYTHONS \?= (.+)$", makefile).group(1).split()
+    main = "3.11"  # the whole suite, torch included (PYTHON, the torch wheel's Python)
+    assert supported == classifiers == sorted({main, *others}, key=lambda v: int(v[2:]))
+    assert f'requires-python = ">={supported[0]}"' in pyproject
+
+
+def test_compatibility_torch_floor_is_the_one_pyproject_and_the_image_require():
+    floor = re.search(r">= (\d+\.\d+)", doc_table_row("torch (the `torch` extra)")[1]).group(1)
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert set(re.findall(r'"torch(>=[\d.]+)"', pyproject)) == {f">={floor}"}  # torch and test
+    dockerfile = (ROOT / "compose" / "Dockerfile").read_text(encoding="utf-8")
+    assert f'ARG TORCH_SPEC="torch>={floor}"' in dockerfile
+
+
+def test_compatibility_lists_every_rdzv_conf_key_as_stable():
+    from consul_rdzv.settings import VALID_KEYS
+
+    rows = ("c10d's keys, same meaning", "consul-rdzv's keys", "reaching Consul",
+            "accepted and ignored (drop-in use of c10d configs)")
+    listed = [key for row in rows for key in backticked(doc_table_row(row)[1])]
+    assert sorted(listed) == sorted(set(listed)) == list(VALID_KEYS)
+
+
+def test_compatibility_names_every_cli_command_and_global_option():
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    stable = backticked(doc_table_row("`list`, `status`, `watch`, `close`, `drain`, `gc`")[0])
+    unstable = backticked(doc_table_row("`agent`, `demo`")[0])
+    assert sorted(stable + unstable) == sorted(commands)
+    options = [o for o in backticked(doc_table_row("the global options")[0])
+               if o.startswith("--")]
+    expected = ["--" + name.replace("_", "-") for name in cli.GLOBAL_DEFAULTS]
+    assert sorted(options) == sorted([*expected, "--version"])
