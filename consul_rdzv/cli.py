@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import calendar
 import contextlib
+import importlib.resources
 import json
 import os
 import queue
@@ -51,7 +52,6 @@ from .layout import Drain, Keys, Member, Round, RunState
 from .planning import active_participants
 from .settings import RendezvousSettings
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PROG = "consul-rdzv"
 DEFAULT_KEY_PREFIX = "torchelastic"
 #: How long one blocking query of ``watch`` waits before it asks again.
@@ -1075,11 +1075,24 @@ class _DemoProgress:
                               f"of {event['world_size']}", flush=True)
 
 
+def demo_script() -> contextlib.AbstractContextManager[Path]:
+    """The demo's training script, ``consul_rdzv/examples/train.py``, as a file path (package
+    data: torchrun runs it in a subprocess; nothing imports it)."""
+    script = importlib.resources.files("consul_rdzv") / "examples" / "train.py"
+    if not script.is_file():
+        raise CliError(f"the demo's training script {script} is missing from the installed "
+                       "package: reinstall consul-rdzv (pip install --force-reinstall "
+                       "consul-rdzv)")
+    return importlib.resources.as_file(script)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """``demo``: a real torchrun job of ``--nodes`` nodes on this machine."""
-    script = EXAMPLES / "train.py"
-    if not script.is_file():
-        raise CliError(f"the demo needs {script} (run it from a source checkout)")
+    with demo_script() as script:
+        return _run_demo(args, script)
+
+
+def _run_demo(args: argparse.Namespace, script: Path) -> int:
     agent = None
     if not args.address and not os.environ.get("CONSUL_HTTP_ADDR"):
         from .testing import ConsulAgent

@@ -4,6 +4,7 @@ agents' logs attached to the report of a failing test."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import uuid
@@ -19,6 +20,22 @@ from consul_testing import ConsulAgent, ConsulCluster
 #: Where CONSUL_HTTP_ADDR points when a test asked for no agent: a port nothing listens on, so
 #: that no test can reach a stray agent on 127.0.0.1:8500 by accident.
 NOWHERE = "127.0.0.1:9"
+
+
+def pytest_configure(config):
+    """``make test`` sets CONSUL_RDZV_REQUIRE_TORCH=1 on the main interpreter: there a torch that
+    cannot be imported is one error before any test runs, so no torch test is lost to a skip or
+    hidden among import errors. The torch-free runs on other interpreters leave it unset."""
+    if os.environ.get("CONSUL_RDZV_REQUIRE_TORCH") != "1":
+        return
+    try:
+        importlib.import_module("torch.distributed.elastic.rendezvous")
+    except ImportError as exc:
+        raise pytest.UsageError(
+            f"CONSUL_RDZV_REQUIRE_TORCH=1 but torch cannot be imported ({exc}). Install it "
+            "(make test installs the CPU wheel from ../shared/wheels into .venv), or unset "
+            "CONSUL_RDZV_REQUIRE_TORCH to run only the torch-free tests."
+        ) from exc
 
 
 @pytest.fixture(autouse=True)

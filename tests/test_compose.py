@@ -25,6 +25,7 @@ import sys
 from pathlib import Path, PurePosixPath
 
 import pytest
+import tomllib  # Python 3.11+: this file needs torch, which the tests have on 3.11 only
 import yaml
 
 from consul_rdzv.settings import settings_from_conf
@@ -267,11 +268,15 @@ def test_worker_commands_rendezvous_through_the_consul_service(compose):
     assert len(node_ids) == len(workers(compose, all_profiles=True)), node_ids
 
 
+#: The training script the workers run: the example that ships in the package, as a module.
+TRAINING_MODULE = "consul_rdzv.examples.train"
+
+
 def test_worker_training_arguments_exist_in_the_example(compose):
     for name, svc in workers(compose, all_profiles=True).items():
         args = torchrun_args(svc["command"])
-        assert args.training_script == "examples/train.py", name
-        source = (ROOT / args.training_script).read_text(encoding="utf-8")
+        assert args.module and args.training_script == TRAINING_MODULE, name
+        source = (ROOT / (TRAINING_MODULE.replace(".", "/") + ".py")).read_text(encoding="utf-8")
         script_args = args.training_script_args
         for flag in (a for a in script_args if a.startswith("--")):
             assert f'add_argument("{flag}"' in source, (name, flag)
@@ -293,7 +298,8 @@ def test_workers_build_from_the_repository_with_our_dockerfile(compose):
 
 def test_dockerfile_copies_existing_sources_into_the_working_directory():
     """Every COPY source exists, is sent with the context, and lands where ``pip install .``
-    and torchrun's ``examples/train.py`` (relative to the final WORKDIR) expect it."""
+    expects it: the package (with its example script, which the workers run as a module of the
+    installed package) and every file pyproject.toml names (readme, license files)."""
     instructions = dockerfile_instructions(COMPOSE_DIR / "Dockerfile")
     patterns = ignore_patterns(COMPOSE_DIR / "Dockerfile.dockerignore")
     workdir, landed = PurePosixPath("/"), {}
@@ -319,11 +325,12 @@ def test_dockerfile_copies_existing_sources_into_the_working_directory():
             break
     else:
         pytest.fail("the Dockerfile never installs the package (pip install .)")
-    for needed in ("pyproject.toml", "README.md", "consul_rdzv/__init__.py",
-                   "consul_rdzv/torch.py", "examples/train.py"):
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    for needed in ("pyproject.toml", project["readme"], *project["license-files"],
+                   "consul_rdzv/__init__.py", "consul_rdzv/torch.py",
+                   "consul_rdzv/examples/__init__.py", TRAINING_MODULE.replace(".", "/") + ".py"):
         assert needed in landed, f"{needed} is not copied into the image"
-    assert landed["pyproject.toml"].parent == workdir  # where `pip install .` runs
-    assert landed["examples/train.py"] == workdir / "examples/train.py"
+        assert landed[needed] == workdir / needed, (needed, landed[needed])  # `pip install .`
 
 
 def test_build_context_leaves_out_the_rest_of_the_tree():

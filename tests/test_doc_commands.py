@@ -10,7 +10,7 @@
   blocks in its own process, and ``make demo``. What is replaced, and only that: the Consul
   agent's address ``127.0.0.1:8500`` by the test agent's, the hosts' addresses by 127.0.0.1
   (loopback only here), ``--nproc-per-node=8`` by 1 (CPU), the job id by a fresh one, and
-  ``train.py`` by ``examples/train.py`` with a few steps. The quick start names no
+  ``train.py`` by ``consul_rdzv/examples/train.py`` with a few steps. The quick start names no
   ``--local-addr`` and a range of nodes: its two processes get ``PET_LOCAL_ADDR=127.0.0.1`` and
   ``PET_RDZV_CONF=last_call_timeout=1`` (torchrun's own environment defaults, see
   docs/kubernetes.md), so that they stay on loopback and do not wait 30 s for a third node.
@@ -35,7 +35,7 @@ SHELL = {"bash", "sh", "shell"}
 FENCE = re.compile(r"^```([\w+-]*)[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 #: ``<this repository>``, ``<servers>``: a placeholder bash would read as a redirection.
 PLACEHOLDER = re.compile(r"<[A-Za-z][^<>\n]*>")
-TRAIN = ROOT / "examples" / "train.py"
+TRAIN = ROOT / "consul_rdzv" / "examples" / "train.py"
 RUN_TIMEOUT = 240
 
 

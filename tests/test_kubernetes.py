@@ -346,11 +346,12 @@ def test_consul_address_is_one_agent_over_https(workload):
 
 
 def test_training_script_and_its_arguments_exist(workload):
-    source = (ROOT / "examples" / "train.py").read_text(encoding="utf-8")
+    source = (ROOT / "consul_rdzv" / "examples" / "train.py").read_text(encoding="utf-8")
     for where, template in templates_of(workload):
         args = container(template)["args"]
-        script = next(a for a in args if not a.startswith("-"))
-        assert script == "examples/train.py", where  # WORKDIR of compose/Dockerfile's image
+        # the example ships in the installed package (compose/Dockerfile's image)
+        script = args[args.index("--module") + 1]
+        assert script == "consul_rdzv.examples.train", where
         for flag in args[args.index(script) + 1:]:
             assert f'add_argument("{flag.split("=")[0]}"' in source, (where, flag)
         assert template["metadata"]["annotations"][

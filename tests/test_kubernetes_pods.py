@@ -131,7 +131,7 @@ class PodJob(TorchrunJob):
         agent_url = (pod.env()["CONSUL_HTTP_ADDR"], env["CONSUL_HTTP_ADDR"])
         argv = [arg.replace(*agent_url) for arg in pod.argv()]
         assert argv[0] == "torchrun", argv
-        script = argv.index("examples/train.py")
+        script = argv.index("consul_rdzv.examples.train")
         argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:script + 1],
                 *train_args, "--out", str(self.out), "--progress-file", str(self.progress_path)]
         base = {k: v for k, v in self.env.items() if not k.startswith(("CONSUL_", "PET_"))}

@@ -1,5 +1,6 @@
 """End-to-end: real ``torchrun`` agents (``python -m torch.distributed.run``) with the consul
-backend against a real Consul dev agent, all on 127.0.0.1, training ``examples/train.py`` on gloo.
+backend against a real Consul dev agent, all on 127.0.0.1, training the demo's script
+(``consul_rdzv/examples/train.py``) on gloo.
 
 Every test has a hard timeout, kills every process it started in a ``finally`` (the
 ``TorchrunJob`` context manager), and puts every agent's log (``LOGLEVEL=INFO``) into its

@@ -1,7 +1,8 @@
 """Real ``torchrun`` jobs for the end-to-end tests (no pytest in here, so it can be reused).
 
 :class:`TorchrunJob` starts torchrun agents (``python -m torch.distributed.run``) running
-``examples/train.py``, each in its own session (so one agent and its workers can be SIGKILLed as
+the demo's training script (``consul_rdzv/examples/train.py``, package data of the
+installed package), each in its own session (so one agent and its workers can be SIGKILLed as
 a group), with stdout+stderr in a log file per agent and ``LOGLEVEL=INFO``. It reads back what
 the training script wrote (``rank-N.json`` results and a shared JSON-lines progress file), and
 :meth:`TorchrunJob.report` gathers every agent's log for an assertion message. Use it as a
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.resources
 import json
 import os
 import re
@@ -22,7 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+#: The training script, found as ``consul-rdzv demo`` finds it: in the installed package.
+TRAIN = Path(str(importlib.resources.files("consul_rdzv") / "examples" / "train.py"))
 #: torchrun with a lowered exit-barrier timeout (``exit_barrier=`` below)
 LAUNCHER = Path(__file__).resolve().parent / "torchrun_launcher.py"
 

@@ -4,8 +4,12 @@ Every rank trains the same tiny model on the same deterministic data for --steps
 one JSON line: rank, world size, restart count, and a checksum of the final parameters. DDP keeps
 the parameters identical on every rank, so all ranks of a finished job print the same checksum.
 
+It ships inside the package and is run by torchrun, never imported by consul-rdzv: by path
+(``consul-rdzv demo`` finds the file with ``importlib.resources``) or as a module, from any
+directory where consul-rdzv is installed:
+
     torchrun --rdzv-backend consul --rdzv-endpoint 127.0.0.1:8500 --nnodes 3 \
-        --nproc-per-node 1 --rdzv-id demo examples/train.py --steps 200
+        --nproc-per-node 1 --rdzv-id demo -m consul_rdzv.examples.train --steps 200
 """
 
 from __future__ import annotations
