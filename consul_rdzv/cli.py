@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .client import BlockingIndex, ConsulClient, KVEntry, txn_kv
+from .client import MAX_TXN_OPS, BlockingIndex, ConsulClient, KVEntry, Step, txn_kv
 from .config import ConsulConfig
 from .errors import (
     ConsulError,
@@ -716,24 +716,38 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _watcher(read: Callable[[int | None], int], changes: queue.Queue, what: str) -> None:
-    """Block on one Consul query forever; put ``what`` on ``changes`` whenever its index moves
-    (or the exception that ended it)."""
+    """Block on one Consul query forever; put ``what`` on ``changes`` whenever its answer may
+    hold a change (or the exception that ended it). The main thread re-reads the run and
+    compares documents: an answer is only a hint. Index discipline by Consul's rules
+    (:class:`BlockingIndex`): an answer that did not move is no change; one that went
+    backwards starts the query over, after a pause that grows while it keeps happening (never
+    a busy loop against a server with less state)."""
     index = BlockingIndex()
+    pause = 0.0
     while True:
         try:
             returned = read(index.param)
         except Exception as exc:  # handed to the main thread, which reports it
             changes.put(exc)
             return
-        before = index.index
-        reset = index.update(returned)
-        if reset or returned != before:
-            changes.put(what)
+        step = index.update(returned)
+        if step is Step.SAME:
+            pause = 0.0
+            continue
+        changes.put(what)
+        if step is Step.RESET:
+            pause = min(max(pause * 2, 0.1), 5.0)
+            time.sleep(pause)
+        else:
+            pause = 0.0
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
     """``watch RUN``: the status again each time the run's keys or its nodes' health change."""
     _check_run_id(args)
+    if not 0 < args.wait <= 600:
+        raise UsageError(f"--wait {args.wait:g}s: give 1s to 10m (Consul caps a blocking "
+                         "query's wait at 10 minutes).")
     reader = _reader(args)
     prefix = f"{args.key_prefix}/{args.run_id}"
     reader.probe(prefix)
@@ -741,13 +755,13 @@ def cmd_watch(args: argparse.Namespace) -> int:
     changes: queue.Queue = queue.Queue()
 
     def kv(index: int | None) -> int:
-        return reader.tree(prefix, index=index, wait=WATCH_WAIT)[0]
+        return reader.tree(prefix, index=index, wait=args.wait)[0]
 
     readers: list[tuple[Callable[[int | None], int], str]] = [(kv, "keys")]
     for name in services:
         def health(index: int | None, name: str = name) -> int:
             return reader.client.read_with_headers(f"/v1/health/service/{name}", index=index,
-                                                   wait=WATCH_WAIT)[0].index
+                                                   wait=args.wait)[0].index
         readers.append((health, f"health of {name}"))
     for read, what in readers:
         threading.Thread(target=_watcher, args=(read, changes, what), daemon=True,
@@ -964,10 +978,15 @@ def _gc_reason(row: dict[str, Any], older_than: float) -> tuple[bool, str]:
 
 
 def _delete_run(client: ConsulClient, entries: list[KVEntry]) -> None:
-    """Delete a run's keys, each only if unchanged since it was read (``delete-cas``)."""
+    """Delete a run's keys, each only if unchanged since it was read (``delete-cas``), and the
+    session that keeps a finished run's closed marker (closed_retention), if any: an ended
+    run leaves nothing."""
     ops = [txn_kv("delete-cas", e.key, index=e.modify_index) for e in entries]
-    for start in range(0, len(ops), 64):
-        client.txn(ops[start:start + 64])
+    for start in range(0, len(ops), MAX_TXN_OPS):
+        client.txn(ops[start:start + MAX_TXN_OPS])
+    for session in {e.session for e in entries if e.session and e.key.endswith("/round/current")}:
+        with contextlib.suppress(ConsulError):
+            client.session_destroy(session)
 
 
 def _agent_listen(args: argparse.Namespace) -> tuple[str, int]:
@@ -1255,6 +1274,9 @@ def build_parser() -> argparse.ArgumentParser:
     json_arg(p, "one JSON document (one line) per change")
     p.add_argument("--timeout", metavar="SECONDS", type=parse_duration, default=None,
                    help="stop (exit 0) after this long (default: until Ctrl-C)")
+    p.add_argument("--wait", metavar="SECONDS", type=parse_duration, default=WATCH_WAIT,
+                   help="longest blocking query (default %(default)gs, at most 10m: Consul's "
+                        "cap); a query that times out shows nothing new")
     p = command("close", cmd_close, "close a run: no further rounds (nodes training now keep "
                 "training until their next rendezvous)")
     run_arg(p)

@@ -274,6 +274,24 @@ def test_watch_prints_a_frame_per_change_and_stops_at_its_timeout(agent, run, pr
         proc.wait()
 
 
+def test_watch_shows_nothing_new_while_its_queries_time_out_on_a_healthy_run(agent, run,
+                                                                             prefix):
+    """Index discipline: with 1 s queries, each of them times out several times over 6 s on a
+    run where nothing changes; a timed-out answer is no change, so one frame only."""
+    training(run, 1)
+    proc = subprocess.run([*CLI, "watch", run.run_id, "--key-prefix", prefix, "--json",
+                           "--wait", "1", "--timeout", "6"], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    frames = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(frames) == 1, frames
+    assert frames[0]["state"] == "training"
+    bad = subprocess.run([*CLI, "watch", run.run_id, "--key-prefix", prefix, "--wait", "11m"],
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "at most 10 minutes" not in bad.stdout, bad
+    assert "--wait 660s: give 1s to 10m" in bad.stderr, bad.stderr
+
+
 def test_watch_text_frames_and_ctrl_c_exits_0(agent, run, prefix):
     training(run, 1)
     proc = subprocess.Popen([*CLI, "watch", run.run_id, "--key-prefix", prefix],
@@ -340,32 +358,43 @@ def test_close_stops_future_rounds_and_refuses_a_missing_run(agent, run, prefix)
 def test_gc_lists_then_deletes_ended_and_abandoned_runs_only(agent, run, prefix):
     admin = agent.client()
     live = training(run, 1)[0]
-    # an abandoned run: its only node left without closing it (its round stays behind)
+    # an abandoned run: its only node died (its round stays behind once Consul drops its key)
     ghost = ConsulRendezvous(run.settings(run_id="abandoned-job", min_nodes=1, max_nodes=1),
                              node_id=f"ghost-{prefix}", host="ghost")
     ghost.next_round()
-    ghost.leave()
+    ghost.halt()
+    wait_for(lambda: admin.kv_keys(f"{prefix}/abandoned-job/") ==
+             [f"{prefix}/abandoned-job/round/current"], 20, "the dead node's key gone")
     ghost.client.close()
     # an ended run: a closed marker nobody removed
     admin.kv_put(f"{prefix}/ended-job/round/current",
                  Round(closed={"reason": "done", "at": time.time(), "by": "test"}).encode())
-    assert admin.kv_keys(f"{prefix}/abandoned-job/") == [f"{prefix}/abandoned-job/round/current"]
+    # a finished run whose last node left: its marker kept by a session (closed_retention)
+    fin = ConsulRendezvous(run.settings(run_id="finished-job", min_nodes=1, max_nodes=1),
+                           node_id=f"fin-{prefix}", host="fin")
+    fin.close_if_current(fin.next_round(), "done", outcome="finished")
+    fin.leave()
+    fin.client.close()
+    kept = admin.kv_get(f"{prefix}/finished-job/round/current").data
+    assert kept is not None and kept.session
 
     dry = cli("gc", "--key-prefix", prefix, "--older-than", "0")
     assert dry.returncode == 0, dry.stderr
-    assert "would delete 2 run(s)" in dry.stdout and "abandoned-job" in dry.stdout, dry.stdout
+    assert "would delete 3 run(s)" in dry.stdout and "abandoned-job" in dry.stdout, dry.stdout
     plan = json.loads(cli("gc", "--key-prefix", prefix, "--older-than", "0", "--json").stdout)
-    assert sorted(r["run_id"] for r in plan["would_delete"]) == ["abandoned-job", "ended-job"]
+    assert sorted(r["run_id"] for r in plan["would_delete"]) == [
+        "abandoned-job", "ended-job", "finished-job"]
     assert [r["run_id"] for r in plan["kept"]] == [run.run_id]
     assert admin.kv_keys(f"{prefix}/abandoned-job/")  # a dry run deletes nothing
     young = json.loads(cli("gc", "--key-prefix", prefix, "--json").stdout)  # default 10m
-    assert [r["run_id"] for r in young["would_delete"]] == ["ended-job"]
+    assert sorted(r["run_id"] for r in young["would_delete"]) == ["ended-job", "finished-job"]
 
     done = cli("gc", "--key-prefix", prefix, "--older-than", "0", "--yes")
     assert done.returncode == 0, done.stderr
-    assert "deleted 2 run(s)" in done.stdout, done.stdout
-    assert admin.kv_keys(f"{prefix}/abandoned-job/") == []
-    assert admin.kv_keys(f"{prefix}/ended-job/") == []
+    assert "deleted 3 run(s)" in done.stdout, done.stdout
+    for job in ("abandoned-job", "ended-job", "finished-job"):
+        assert admin.kv_keys(f"{prefix}/{job}/") == [], job
+    assert admin.session_info(kept.session) is None, "gc left the kept marker's session"
     assert live.node_id in run.members() and run.current_round().round == 1
     assert live.num_nodes_waiting() == 0
     admin.close()
