@@ -46,7 +46,8 @@ from consul_rdzv.config import ConsulConfig
 from consul_rdzv.errors import RendezvousError
 from consul_rdzv.rendezvous import ConsulRendezvous
 from consul_rdzv.settings import RendezvousSettings
-from consul_rdzv.testing import CONSUL_VERSION, ClusterMember, ConsulCluster
+from consul_rdzv.testing import CONSUL_VERSION
+from consul_testing import ClusterMember, ConsulCluster
 
 
 def _node(member: ClusterMember, prefix: str, node_id: str,

@@ -264,8 +264,13 @@ def test_torchrun_job_succeeds_with_a_token_holding_only_the_shipped_policy(acl_
             assert len({r["checksum"] for r in results}) == 1, report
             for agent in job.agents:
                 assert "lacks permission" not in agent.log(), report
-        # The job cleaned up after itself with that token: no key, no service left.
-        assert management.kv_keys(f"torchelastic/{run_id}/") == []
+        # The job cleaned up after itself with that token: no service left, no key but the
+        # finished run's closed marker, kept under a session the job's token created (Consul
+        # deletes it after closed_retention).
+        assert management.kv_keys(f"torchelastic/{run_id}/") == [
+            f"torchelastic/{run_id}/round/current"]
+        kept = management.kv_get(f"torchelastic/{run_id}/round/current").data
+        assert kept.session and management.session_info(kept.session)["TTL"] == "600s"
         deadline = time.monotonic() + 10
         while management.catalog_service(service) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -390,7 +395,7 @@ def test_job_token_cannot_touch_sessions_on_other_consul_nodes(acl_agent, acl, r
 def team_cluster():
     """A real ACL cluster: one server, and one client agent per team named after the team
     (the layout docs/acl-team-policy.hcl asks for)."""
-    from consul_rdzv.testing import ConsulCluster
+    from consul_testing import ConsulCluster
 
     cluster = ConsulCluster(servers=1, clients=2, acl=True,
                             client_names=["team-a-host0", "team-b-host0"]).start()

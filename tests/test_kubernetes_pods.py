@@ -37,7 +37,7 @@ import pytest
 from kube_manifests import ROOT, Pod, container, load, pod_templates
 from torchrun_jobs import Agent, TorchrunJob
 
-from consul_rdzv.testing import ConsulAgent
+from consul_testing import ConsulAgent
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,11 @@ def job_token(consul_k8s) -> str:
     """The SecretID of a token that holds only the shipped policy (the Secret consul-rdzv-token
     of docs/kubernetes.md)."""
     name = f"consul-rdzv-{uuid.uuid4().hex[:8]}"
-    _api(consul_k8s, "PUT", "/v1/acl/policy", {"Name": name, "Rules": POLICY_FILE.read_text()})
+    # the shipped policy with its node-name prefix put in (docs/acl-policy.hcl says how): the
+    # prefix of this agent's Consul node name, as the session rule asks for
+    rules = POLICY_FILE.read_text().replace("<node-prefix>",
+                                            consul_k8s.node_name.split("-")[0] + "-")
+    _api(consul_k8s, "PUT", "/v1/acl/policy", {"Name": name, "Rules": rules})
     token = _api(consul_k8s, "PUT", "/v1/acl/token", {"Description": "k8s pods",
                                                        "Policies": [{"Name": name}]})
     return token["SecretID"]
