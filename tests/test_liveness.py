@@ -111,7 +111,7 @@ def test_replaced_process_that_comes_back_stops_instead_of_taking_its_id_back(no
     victim.thaw()
     victim.send("next")
     event = victim.event(timeout=30)
-    assert event["event"] == "error" and event["type"] == "RendezvousStateError", event
+    assert event["event"] == "error" and event["type"] == "RendezvousReplacedError", event
     assert "replaced by a newer process with the same node id" in event["message"], event
     # no ping-pong: the replacement keeps its registration and the round goes on
     stays(lambda: survivor.num_nodes_waiting() == 0

@@ -19,7 +19,7 @@ PACKAGE = ROOT / "consul_rdzv"
 def test_all_lists_exactly_the_public_names():
     public = {n for n in vars(consul_rdzv) if not n.startswith("_")} | {"__version__"}
     modules = {"client", "cli", "config", "errors", "examples", "layout", "planning", "ranks",
-               "registration", "rendezvous", "settings", "testing", "torch"}
+               "registration", "rendezvous", "settings", "testing", "torch", "watch"}
     assert set(consul_rdzv.__all__) == public - modules
     assert sorted(consul_rdzv.__all__) == consul_rdzv.__all__
 
@@ -148,7 +148,7 @@ def test_compatibility_lists_every_rdzv_conf_key_as_stable():
     from consul_rdzv.settings import VALID_KEYS
 
     rows = ("c10d's keys, same meaning", "consul-rdzv's keys", "reaching Consul",
-            "accepted and ignored (drop-in use of c10d configs)")
+            "c10d's other keys (mapped, or accepted and ignored: docs/configuration.md)")
     listed = [key for row in rows for key in backticked(doc_table_row(row)[1])]
     assert sorted(listed) == sorted(set(listed)) == list(VALID_KEYS)
 
