@@ -19,6 +19,8 @@ import uuid
 import pytest
 from torchrun_jobs import TorchrunJob, torch_log_times
 
+from consul_rdzv.layout import Round
+
 pytestmark = pytest.mark.slow
 
 #: How long one job may take before the test gives up on it (each should take well under 30 s).
@@ -78,10 +80,15 @@ def test_three_nodes_train_and_finish(agent, prefix, run_id, tmp_path):
         assert {r["restarts"] for r in results} == {0}, job.report()
         print(f"3-node torchrun job finished in {took:.1f}s")
 
-    # torch's launcher called shutdown() on success: the run was closed, every node left, and
-    # the last one removed the closed marker: nothing of the job stays in Consul.
+    # torch's launcher called shutdown() on success: the run was closed as finished, every node
+    # left, and the last one kept only the closed marker, shrunk, under a session with the
+    # closed_retention TTL (Consul deletes both by itself): nothing else of the job stays.
     client = agent.client()
-    assert client.kv_keys(f"{prefix}/{run_id}/") == [], "keys of a finished job stayed"
+    marker = f"{prefix}/{run_id}/round/current"
+    assert client.kv_keys(f"{prefix}/{run_id}/") == [marker], "keys of a finished job stayed"
+    kept = client.kv_get(marker).data
+    assert kept.session and client.session_info(kept.session)["TTL"] == "600s"
+    assert Round.decode(kept).closed["outcome"] == "finished" and not Round.decode(kept).ranks
     left = [s for s in client.agent_services().values()
             if s.get("Service") == f"torchelastic-{run_id}"]
     assert left == [], f"services still registered after the job: {left}"
