@@ -82,17 +82,10 @@ class KVEntry:
 
 @dataclass(frozen=True)
 class QueryResult:
-    """What a (possibly blocking) read returned, with the ``X-Consul-Index`` to block on next.
-
-    ``known_leader`` and ``last_contact`` (seconds) are what the answering server knew of the
-    Raft leader (``X-Consul-KnownLeader``, ``X-Consul-LastContact``): a ``?stale`` answer from a
-    server cut off from the leader says so there.
-    """
+    """What a (possibly blocking) read returned, with the ``X-Consul-Index`` to block on next."""
 
     index: int
     data: Any
-    known_leader: bool = True
-    last_contact: float = 0.0
 
 
 class Step(enum.Enum):
@@ -566,13 +559,7 @@ class ConsulClient:
 
     @classmethod
     def _result(cls, resp: Response, data: Any) -> QueryResult:
-        """A read's data with its index and what the answering server knew of the leader."""
-        try:
-            contact = int(resp.headers.get("X-Consul-LastContact", "0")) / 1000
-        except ValueError:
-            contact = 0.0
-        leader = resp.headers.get("X-Consul-KnownLeader", "true").lower() != "false"
-        return QueryResult(cls._index(resp), data, known_leader=leader, last_contact=contact)
+        return QueryResult(cls._index(resp), data)
 
     def _blocking_params(self, index: int | None, wait: float | None) -> tuple[dict, float]:
         params: dict[str, Any] = {}

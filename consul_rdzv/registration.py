@@ -63,6 +63,17 @@ DEREGISTER_CRITICAL_AFTER = "1m"
 #: How many times a node looks, each on a new connection, at the agent(s) behind its endpoint
 #: when a heartbeat suggests that it reaches several (see Registration._agents_spread).
 AGENT_LOOKS = 4
+#: While a node trains, it looks at its agent's gossip this many times per consul_timeout.
+GOSSIP_LOOKS = 4
+
+
+def cut_off(members: list[dict]) -> bool:
+    """Alone in its agent's gossip view (``/v1/agent/members``): the agent is the only member
+    alive (serf status 1) and there are others (failed, left). A lone dev agent is not cut off.
+    Quorum lost, or every server down, with other client agents alive is not either: nodes keep
+    training while Consul is away, and only a cut-off node's session is surely gone."""
+    alive = sum(1 for m in members if m.get("Status") == 1)
+    return alive <= 1 and len(members) > 1
 
 
 def _utc_now() -> str:
@@ -153,6 +164,10 @@ class Registration:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
+        #: While training: when the keep thread next looks at the agent's gossip (None: off),
+        #: and since when the agent has been alone in it (see watch_gossip()).
+        self._gossip_next: float | None = None
+        self._alone_since: float | None = None
 
     def __repr__(self) -> str:
         return f"Registration(service_id={self.service_id!r}, session={self._session!r})"
@@ -213,6 +228,20 @@ class Registration:
         if confirmed and self._on_lost:
             self._on_lost(reason)
 
+    def watch_gossip(self, on: bool) -> None:
+        """While this node trains (``on``), look at its agent's own gossip view every
+        ``consul_timeout`` / :data:`GOSSIP_LOOKS` (``/v1/agent/members``: the agent answers it
+        alone, also while it reaches no server). An agent cut off from the cluster still passes
+        the node's check (agent-local), but the servers declare its node failed and invalidate
+        the node's session: no Consul request of the node's can tell it, and a blocking query
+        may hang in the agent for its whole wait. Once the agent has been alone in its gossip
+        view (:func:`cut_off`) for ``consul_timeout``, the node takes itself for lost (on its
+        own evidence: ``ensure()`` asks Consul before it replaces the session)."""
+        period = max(1.0, self.settings.consul_timeout / GOSSIP_LOOKS)
+        self._gossip_next = time.monotonic() + period if on else None
+        self._alone_since = None
+        self._wake.set()
+
     def probe_session_from(self, when: float | None) -> None:
         """Probe the session every interval from monotonic time ``when`` on (None: never)."""
         self._probe_from = when
@@ -272,7 +301,9 @@ class Registration:
         old = self._session
         if old is not None and not self._lost.is_set():
             return old
-        if old is not None and self._lost_suspected and self._still_alive(old, deadline):
+        # A suspected loss is checked with Consul first; if Consul cannot be asked, every later
+        # step would fail on the same Consul: raise now (one retry window, not one per step).
+        if old is not None and self._lost_suspected and self._session_alive(old, deadline):
             return old
         checked = False
         if old is not None and (self._suspect or self._heartbeat_kept_up()):
@@ -369,13 +400,6 @@ class Registration:
         session = self._session
         return (session is not None and self._lost_suspected
                 and self._session_alive(session, deadline))
-
-    def _still_alive(self, session: str, deadline: float) -> bool:
-        """:meth:`_session_alive`, False if Consul could not be asked."""
-        try:
-            return self._session_alive(session, deadline)
-        except ConsulError:
-            return False
 
     def _session_alive(self, session: str, deadline: float) -> bool:
         """After a suspected loss (passes failed for the TTL: an overloaded or unreachable
@@ -681,8 +705,10 @@ class Registration:
         until one is due (a training node's keep thread wakes only to publish its meta)."""
         interval = self.settings.heartbeat_interval
         next_probe = time.monotonic() + interval
+        gossip_period = max(1.0, self.settings.consul_timeout / GOSSIP_LOOKS)
         while not self._stop.is_set():
-            due = [t for t in (self._probe_due(next_probe), self._meta_due) if t is not None]
+            due = [t for t in (self._probe_due(next_probe), self._meta_due, self._gossip_next)
+                   if t is not None]
             self._wake.wait(max(0.0, min(due) - time.monotonic()) if due else None)
             self._wake.clear()
             if self._stop.is_set():
@@ -695,6 +721,10 @@ class Registration:
             if self._meta_due is not None and time.monotonic() >= self._meta_due:
                 self._meta_due = None
                 self._publish_now()
+            gossip_at = self._gossip_next
+            if gossip_at is not None and time.monotonic() >= gossip_at:
+                self._gossip_next = time.monotonic() + gossip_period
+                self._look_at_gossip()
             if (self._suspect and self._session is not None and self._misconfigured is None
                     and self._ensure_lock.acquire(blocking=False)):
                 # A pass answered 404 after we registered (ensure() looks itself while it runs).
@@ -704,6 +734,32 @@ class Registration:
                         self._check_agents(time.monotonic() + interval)
                 finally:
                     self._ensure_lock.release()
+
+    def _look_at_gossip(self) -> None:
+        """See :meth:`watch_gossip`."""
+        if self._session is None or self._lost.is_set():
+            return
+        try:
+            members = self.client.agent_members(
+                deadline=time.monotonic() + self.settings.heartbeat_interval)
+        except ConsulError:
+            self._alone_since = None  # the agent itself does not answer: the pass thread's case
+            return
+        now = time.monotonic()
+        if not cut_off(members):
+            self._alone_since = None
+            return
+        if self._alone_since is None:
+            self._alone_since = now
+            logger.warning("Node %s of run %s: its Consul agent sees no other cluster member "
+                           "alive.", self.node_id, self.settings.run_id)
+            return
+        alone = now - self._alone_since
+        if alone >= self.settings.consul_timeout:
+            self.mark_lost(
+                f"cut off from the Consul cluster: its agent has seen no other member alive for "
+                f"{alone:.0f}s (consul_timeout {self.settings.consul_timeout:g}s), so the servers "
+                "have most likely declared this node dead", confirmed=False)
 
     def _probe_due(self, next_probe: float) -> float | None:
         start = self._probe_from

@@ -213,6 +213,7 @@ class ConsulRendezvous:
         if self._left:
             raise RendezvousStateError(f"Node {self.node_id} has left run {self.run_id}; "
                                        "create a new ConsulRendezvous to join again.")
+        self.registration.watch_gossip(False)
         with self._lock:
             self._stop_watch()  # the previous round's
             self._waiting = 0
@@ -931,8 +932,10 @@ class ConsulRendezvous:
     # ------------------------------------------------------------------ training-time watch
 
     def _start_watch(self, result: RoundResult) -> None:
-        # The watch sees our member key vanish with our session: no need to probe it too.
+        # The watch sees our member key vanish with our session: no need to probe it too. A
+        # node cut off from the cluster cannot see that: its agent's gossip tells.
         self.registration.probe_session_from(None)
+        self.registration.watch_gossip(True)
         watched = WatchedRound(
             round=result.round, participants=list(result.participants),
             members_index=result.members_index, joined_index=result.joined_index,
@@ -984,17 +987,10 @@ class ConsulRendezvous:
             self._watch = None
             self._finished = dict(closed)
             self._waiting = 0
+        self.registration.watch_gossip(False)
         logger.info("Run %s finished in round %d (%s, closed by %s): node %s lets its workers "
                     "finish their work.", self.run_id, watch.watched.round,
                     closed.get("reason", ""), closed.get("by", "?"), self.node_id)
-
-    def watch_cut_off(self, watch: RoundWatch, reason: str) -> None:
-        with self._lock:
-            if watch is not self._watch:
-                return
-            self._watch = None
-        self.registration.mark_lost(reason, confirmed=False)
-        self._set_broken(f"this node is out of its round: {reason}")
 
 
 class _Progress:

@@ -33,12 +33,8 @@ is ignored, never taken for participants that are gone.
 closed as *finished* in this very round (a node whose workers succeeded closed it, then left)
 ends nothing; this node's workers finish their work (:meth:`WatchHost.watch_finished`).
 
-**Cut off from the servers.** A node whose own agent answers but cannot reach a server (a client
-agent cut off from the cluster) is declared dead by the servers, while its check passes still
-succeed locally. When the watch has had no answer from a server that knows the leader for
-``consul_timeout`` and the node's agent sees no majority of the servers alive in its own gossip
-view, the node takes itself for out of the job (:meth:`WatchHost.watch_cut_off`). A leader
-election (a majority alive) or a slow cluster never does this.
+A node cut off from the servers is not this watch's business (its query may hang in its agent
+for the whole wait): :class:`consul_rdzv.registration.Registration` looks at the agent's gossip.
 
 Once the round is over the watch ends: this node joins the next round anyway, and reading on would
 cost every node a request per re-announcement (O(W^2) in a mass re-announcement).
@@ -124,16 +120,6 @@ def view_of(entry: KVEntry) -> MemberView:
     return MemberView(entry.modify_index, rank)
 
 
-def majority_alive(members: list[dict]) -> bool:
-    """Whether an agent's gossip view (``/v1/agent/members``) shows a majority of the servers
-    alive (serf status 1). True when it lists no server at all: nothing to judge by."""
-    servers = [m for m in members if (m.get("Tags") or {}).get("role") == "consul"]
-    if not servers:
-        return True
-    alive = sum(1 for m in servers if m.get("Status") == 1)
-    return alive * 2 > len(servers)
-
-
 class WatchHost(Protocol):
     """What the watch tells the node (each call carries the watch: a stale one is ignored)."""
 
@@ -143,8 +129,6 @@ class WatchHost(Protocol):
         ...
 
     def watch_finished(self, watch: RoundWatch, closed: dict) -> None: ...
-
-    def watch_cut_off(self, watch: RoundWatch, reason: str) -> None: ...
 
 
 @dataclass
@@ -205,8 +189,6 @@ class RoundWatch:
         known: dict[str, MemberView] = {n: MemberView(0) for n in w.participants}
         read = False
         failures = 0
-        last_current = time.monotonic()  # the last answer from a server that knew the leader
-        timeout = w.settings.consul_timeout
         while not self._stopped.is_set():
             try:
                 if read:
@@ -235,10 +217,6 @@ class RoundWatch:
                     for gone in judgement.gone:
                         known.pop(gone, None)
                 failures = 0
-                if res.known_leader:
-                    last_current = time.monotonic()
-                elif time.monotonic() - last_current >= timeout:
-                    self._maybe_cut_off(time.monotonic() - last_current)
             except (ConsulError, _Behind) as exc:
                 if self._stopped.is_set():
                     return
@@ -254,8 +232,6 @@ class RoundWatch:
                 if failures == 1 or failures % 30 == 0:
                     logger.warning("Node %s cannot watch the members of run %s: %s", w.node_id,
                                    w.settings.run_id, exc)
-                if time.monotonic() - last_current >= timeout:
-                    self._maybe_cut_off(time.monotonic() - last_current)
                 self._stopped.wait(min(RETRY_PAUSE * 2 ** failures, RETRY_PAUSE_MAX))
                 continue
             if self._stopped.is_set():
@@ -320,22 +296,6 @@ class RoundWatch:
                 return closed
             return None
         return None
-
-    def _maybe_cut_off(self, silent: float) -> None:
-        """No server that knows the leader answered for ``consul_timeout``: cut off, if the
-        agent's own gossip sees no majority of the servers (see module doc)."""
-        try:
-            members = self.client.agent_members(deadline=time.monotonic() + 2.0)
-        except ConsulError:
-            return  # the agent itself does not answer: the check passes fail, the pass thread
-            # judges that (Registration: cut off after heartbeat_timeout)
-        if majority_alive(members):
-            return
-        self.host.watch_cut_off(self, (
-            f"cut off from the Consul servers: no server that knows the leader answered for "
-            f"{silent:.0f}s and its agent sees no majority of them alive; the servers have most "
-            "likely declared this node dead"))
-        self._stopped.set()
 
 
 class _Behind(Exception):

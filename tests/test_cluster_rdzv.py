@@ -627,8 +627,13 @@ def test_client_agent_cut_off_from_the_servers_each_side_sees_its_part_and_heals
     second = nodes.rounds(survivors, timeout=30)
     assert_round_ok(second, 2, 3)
     assert one(second).world_size == 2
-    # The cut-off side: its passes go on, it stays in its old round, and cannot join another.
+    # The cut-off side: its passes go on (agent-local), and it takes itself for out once no
+    # server that knows the leader answered for consul_timeout and its agent sees no majority
+    # of the servers alive: it cannot join another round.
     passes_ok = a.registration.seconds_since_pass < settings.heartbeat_interval + 1
+    wait_for(lambda: a.num_nodes_waiting() >= 1, settings.consul_timeout + 20,
+             "the cut-off node taking itself for out")
+    out_after = time.monotonic() - cut
     waiting_cut_off = a.num_nodes_waiting()
     started = time.monotonic()
     with pytest.raises(RendezvousError) as info:
@@ -656,7 +661,8 @@ def test_client_agent_cut_off_from_the_servers_each_side_sees_its_part_and_heals
     nodes.recorder.assert_sealed_once()
     figure(f"client agent cut off from the servers (check TTL {LONG_TTL:g}s): the other host's "
            f"nodes told after {told:.2f}s; the cut-off node's num_nodes_waiting() was "
-           f"{waiting_cut_off} and its next_round() failed after {failed_after:.1f}s "
+           f"{waiting_cut_off} {out_after:.1f}s after the cut (consul_timeout "
+           f"{settings.consul_timeout:g}s) and its next_round() failed after {failed_after:.1f}s "
            f"(consul_timeout {settings.consul_timeout:g}s); healed: back in a round of 3 after "
            f"{back:.2f}s")
 

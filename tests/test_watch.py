@@ -3,9 +3,9 @@
 :func:`consul_rdzv.watch.judge` is checked on hand-built answers, and :class:`RoundWatch` on
 scripted answer streams through a fake transport: a query that times out with a lower index, an
 index that goes backwards or to 0, a server behind the round, a participant's rewrite hidden by a
-spare leaving in the same answer, a departure that is the job's end, a node cut off from the
-servers. What Consul itself does is tested against real agents elsewhere
-(tests/test_long_jobs.py); this file only pins down what the watch makes of each answer.
+spare leaving in the same answer, a departure that is the job's end; and what a training node
+makes of its agent's gossip view. What Consul itself does is tested against real agents
+elsewhere (tests/test_long_jobs.py); this file only pins down the decisions.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from consul_rdzv.client import KVEntry, QueryResult, Step
 from consul_rdzv.errors import ConsulUnavailableError
 from consul_rdzv.layout import Keys, Member, Round
 from consul_rdzv.planning import MemberView
+from consul_rdzv.registration import cut_off
 from consul_rdzv.settings import RendezvousSettings
-from consul_rdzv.watch import Action, RoundWatch, WatchedRound, judge, majority_alive
+from consul_rdzv.watch import Action, RoundWatch, WatchedRound, judge
 
 P = {"a", "b", "c"}
 
@@ -70,15 +71,6 @@ def test_same_names_with_a_non_participant_moved_is_read():
     assert judge(known, P | {"spare"}, Step.MOVED, P).action is Action.READ
 
 
-def test_majority_alive_reads_the_agents_gossip_view():
-    server = {"Tags": {"role": "consul"}}
-    client = {"Tags": {"role": "node"}, "Status": 1}
-    assert majority_alive([{**server, "Status": 1}] * 2 + [{**server, "Status": 4}])
-    assert not majority_alive([{**server, "Status": 1}] + [{**server, "Status": 4}] * 2)
-    assert not majority_alive([{**server, "Status": 4}] * 3 + [client])
-    assert majority_alive([client]), "no server listed: nothing to judge by"
-
-
 # ------------------------------------------------------------------------------ RoundWatch
 
 
@@ -98,7 +90,6 @@ class FakeConsul:
     keys: list = field(default_factory=list)
     lists: list = field(default_factory=list)
     gets: list = field(default_factory=list)
-    members: list = field(default_factory=list)
     calls: list = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     delay: float = 0.0  # how long each answer takes
@@ -124,8 +115,6 @@ class FakeConsul:
     def kv_get(self, key, *, stale=False, deadline=None, **_):
         return self._next(self.gets, ("get", stale))
 
-    def agent_members(self, *, deadline=None):
-        return self._next(self.members, ("members", None))
 
 
 @dataclass
@@ -144,20 +133,15 @@ class Host:
         self.events.append(("finished", closed.get("by")))
         self.ended.set()
 
-    def watch_cut_off(self, watch, reason):
-        self.events.append(("cut_off", reason))
-        self.ended.set()
 
-
-def keys(index: int, *names: str, leader: bool = True) -> QueryResult:
-    return QueryResult(index, [KEYS.member(n) for n in names], known_leader=leader)
+def keys(index: int, *names: str) -> QueryResult:
+    return QueryResult(index, [KEYS.member(n) for n in names])
 
 
 def run_watch(fake: FakeConsul, *, members_index: int = 100, joined_index: int = 0,
-              max_nodes: int = 3, consul_timeout: float = 10.0, node: str = "a",
+              max_nodes: int = 3, node: str = "a",
               until=None, timeout: float = 5.0) -> tuple[Host, RoundWatch]:
-    settings = RendezvousSettings(run_id="run", min_nodes=1, max_nodes=max_nodes,
-                                  consul_timeout=consul_timeout)
+    settings = RendezvousSettings(run_id="run", min_nodes=1, max_nodes=max_nodes)
     watched = WatchedRound(round=1, participants=["a", "b", "c"], members_index=members_index,
                            joined_index=joined_index, seal_id="seal", max_nodes=max_nodes,
                            settings=settings, node_id=node)
@@ -267,26 +251,13 @@ def test_a_finished_marker_seen_by_a_lagging_server_is_asked_of_the_leader():
     assert [c for c in fake.calls if c[0] == "get"] == [("get", True), ("get", False)]
 
 
-def test_a_node_whose_agent_is_cut_off_from_the_servers_takes_itself_for_out():
-    """Finding (d): the agent answers (check passes succeed) but no server does. After
-    consul_timeout, with no majority of servers alive in the agent's own gossip view, the
-    node says it is out."""
-    dead = [{"Tags": {"role": "consul"}, "Status": 4}] * 3
-    fake = FakeConsul(keys=[ConsulUnavailableError("rpc error: no servers")] * 400,
-                      lists=[ConsulUnavailableError("rpc error: no servers")] * 400,
-                      members=[dead] * 50)
-    host, _ = run_watch(fake, consul_timeout=0.3, timeout=8)
-    assert host.events and host.events[-1][0] == "cut_off", host.events
-    assert "cut off from the Consul servers" in host.events[-1][1]
+# ------------------------------------------------------------------------------ cut off
 
 
-def test_a_leader_election_never_cuts_a_node_off():
-    """Answers without a known leader (an election), with a majority of servers alive: the
-    node keeps training."""
-    alive = [{"Tags": {"role": "consul"}, "Status": 1}] * 2 + [
-        {"Tags": {"role": "consul"}, "Status": 4}]
-    fake = FakeConsul(keys=[keys(40, "a", "b", "c", leader=False)] * 40, members=[alive] * 40,
-                      delay=0.02)
-    host, _ = run_watch(fake, consul_timeout=0.2, until=lambda: len(fake.calls) > 30)
-    assert not any(e[0] in ("cut_off", "over") for e in host.events), host.events
-    assert any(c[0] == "members" for c in fake.calls), "the gossip view was asked"
+def test_cut_off_is_an_agent_alone_in_its_gossip_view():
+    """What the keep thread of a training node makes of its agent's /v1/agent/members."""
+    alive, failed = {"Status": 1}, {"Status": 4}
+    assert cut_off([alive, failed, failed, {"Status": 3}]), "every other member failed or left"
+    assert not cut_off([alive]), "a lone dev agent is not cut off"
+    assert not cut_off([alive, alive, failed, failed]), "quorum lost, a client agent alive"
+    assert not cut_off([alive, failed, alive]), "a leader election"
