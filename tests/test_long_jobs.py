@@ -104,20 +104,26 @@ def test_healthy_torchrun_job_trains_through_many_watch_timeouts(agent, prefix, 
            "its start, trained with watch_wait 1 s: 1 worker start, exit 0")
 
 
-def test_healthy_round_on_the_cluster_outlives_many_watch_timeouts(cluster, prefix, tmp_path):
+@pytest.mark.parametrize("n", [1, 2, 32])
+def test_healthy_round_on_the_cluster_outlives_many_watch_timeouts(cluster, prefix, tmp_path, n):
     """The same on the cluster harness: nodes on two client agents, stale reads from any
     server."""
     c = Cluster(cluster.clients[1], prefix, tmp_path)
     try:
-        settings = c.settings(min_nodes=4, max_nodes=4, watch_wait=SHORT_WAIT,
-                              heartbeat_timeout=10.0)
-        members = [c.node(f"n{i}", settings, client=ConsulClient(
+        settings = c.settings(min_nodes=n, max_nodes=n, watch_wait=SHORT_WAIT,
+                              heartbeat_timeout=10.0, last_call_timeout=2.0)
+        members = [c.node(f"n{i:02d}", settings, client=ConsulClient(
             ConsulConfig.resolve(address=cluster.clients[i % 2].url, env={}),
-            retry_timeout=settings.consul_timeout)) for i in range(4)]
-        first = c.rounds(members, timeout=60)
-        assert_round_ok(first, 4, 4)
-        queries = healthy_throughout(members, 6 * SHORT_WAIT)
-        assert queries >= 4 * 4, queries
+            retry_timeout=settings.consul_timeout)) for i in range(n)]
+        for member in members:  # a registration on a loaded agent outlasts a short last call
+            member.register(timeout=30)
+        first = c.rounds(members, timeout=90)
+        assert_round_ok(first, n, n)
+        window = 6 * SHORT_WAIT
+        queries = healthy_throughout(members, window)
+        assert queries >= n * (window / SHORT_WAIT - 2), queries
+        figure(f"cluster, N={n}: {queries} timed-out watch queries over {window:g}s, "
+               "num_nodes_waiting() 0 throughout")
     finally:
         c.shutdown()
 
