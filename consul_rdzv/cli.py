@@ -19,7 +19,6 @@ reference.
 from __future__ import annotations
 
 import argparse
-import calendar
 import contextlib
 import importlib.resources
 import json
@@ -50,17 +49,26 @@ from .errors import (
 )
 from .layout import Drain, Keys, Member, Round, RunState
 from .planning import active_participants
+from .service import (
+    DEFAULT_KEY_PREFIX,
+    NODE_ID_RULE,
+    RDZV_TAG,
+    SERVICE_PREFIX,
+    Incarnation,
+    heartbeat_time,
+    is_heartbeat_check,
+    node_id_of,
+    run_of,
+    service_name,
+    tagged,
+    utc_iso,
+    valid_node_id,
+)
 from .settings import RendezvousSettings
 
 PROG = "consul-rdzv"
-DEFAULT_KEY_PREFIX = "torchelastic"
 #: How long one blocking query of ``watch`` waits before it asks again.
 WATCH_WAIT = 60.0
-#: The tag every node's service instance carries (registration.py), and the run's tag prefix.
-RDZV_TAG = "consul-rdzv"
-RUN_TAG = "run-"
-_HEARTBEAT = re.compile(r"heartbeat (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?Z")
-_NODE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,160}$")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
 _STATUS_ORDER = {"passing": 0, "warning": 1, "critical": 2}
 #: Fields of a status document that change with every look, not with the run (and every field
@@ -120,23 +128,9 @@ def table(headers: list[str], rows: list[list[str]], indent: str = "") -> list[s
     return lines
 
 
-def heartbeat_time(output: str) -> float | None:
-    """The wall-clock time of the "heartbeat <ISO time>" a node's check pass writes, or None."""
-    m = _HEARTBEAT.search(output or "")
-    if not m:
-        return None
-    try:
-        base = calendar.timegm(time.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S"))
-    except ValueError:
-        return None
-    return base + float(m.group(2) or 0.0)
-
-
 def utc(ts: float | None) -> str | None:
-    """An ISO time (UTC) for JSON output."""
-    if not ts:
-        return None
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+    """An ISO time (UTC) for JSON output, as a heartbeat's (service.utc_iso)."""
+    return utc_iso(ts) if ts else None
 
 
 # --------------------------------------------------------------------------------- reading Consul
@@ -230,14 +224,14 @@ class Reader:
 
     def services_of(self, run_id: str) -> list[str]:
         """The service names of a run: ``--service-name``, else every consul-rdzv service
-        tagged ``run-<run_id>``, and the default ``torchelastic-<run_id>``."""
+        tagged ``run-<run_id>``, and the default ``torchelastic-<run_id>`` (service.py)."""
         if self.service_name:
             return [self.service_name]
-        names = [f"torchelastic-{run_id}"]
+        names = [service_name(run_id)]
         with contextlib.suppress(ConsulError):
             services = self.client.read_with_headers("/v1/catalog/services")[0].data or {}
             names += sorted(name for name, tags in services.items()
-                            if RDZV_TAG in (tags or []) and f"{RUN_TAG}{run_id}" in (tags or [])
+                            if tagged(tags, run_id)
                             and name not in names)
         return names
 
@@ -301,29 +295,26 @@ class Reader:
         except ConsulError:
             return {}
         worst: dict[tuple[str, str], str] = {}  # (Consul node, service id) -> worst status
-        run_of: dict[tuple[str, str], str] = {}
+        runs: dict[tuple[str, str], str] = {}
         for check in res.data or []:
             sid = check.get("ServiceID") or ""
             tags = check.get("ServiceTags") or []
-            run = next((t[len(RUN_TAG):] for t in tags if t.startswith(RUN_TAG)), None)
+            run = run_of(tags)
             if not sid or run is None:
                 continue
             key = (check.get("Node") or "", sid)
             worst[key] = _worst([worst.get(key, "passing"), check.get("Status", "critical")])
-            run_of[key] = run
+            runs[key] = run
         counts: dict[str, int] = {}
         for key, status in worst.items():
             if status == "passing":
-                counts[run_of[key]] = counts.get(run_of[key], 0) + 1
+                counts[runs[key]] = counts.get(runs[key], 0) + 1
         return counts
 
 
 def _started(inst: Instance) -> float:
     """When the incarnation that registered ``inst`` started (0 if its meta does not say)."""
-    try:
-        return float(inst.meta.get("started") or 0)
-    except (TypeError, ValueError):
-        return 0.0
+    return Incarnation.of(inst.meta).started
 
 
 def _instance(entry: dict, run_id: str, agent_checks: dict[str, dict]) -> Instance | None:
@@ -334,8 +325,7 @@ def _instance(entry: dict, run_id: str, agent_checks: dict[str, dict]) -> Instan
     if meta.get("run_id") not in (None, run_id):
         return None  # another run sharing a service name
     sid = service.get("ID", "")
-    node_id = meta.get("node_id") or (sid[len(run_id) + 1:] if sid.startswith(run_id + "-")
-                                      else sid)
+    node_id = node_id_of(service, run_id)
     consul_node = (entry.get("Node") or {}).get("Node", "")
     checks = entry.get("Checks") or []
     statuses, output, source = [], "", "catalog"
@@ -347,13 +337,12 @@ def _instance(entry: dict, run_id: str, agent_checks: dict[str, dict]) -> Instan
             if check.get("ServiceID") == sid:
                 source = "agent"
         statuses.append(status)
-        if check.get("ServiceID") == sid and (":ttl:" in check.get("CheckID", "")
-                                              or check.get("Type") == "ttl"):
+        if is_heartbeat_check(check, sid):
             output = out
     return Instance(node_id=node_id, service_id=sid, service=service.get("Service", ""),
                     address=service.get("Address") or "", port=int(service.get("Port") or 0),
                     consul_node=consul_node, status=_worst(statuses), output=output,
-                    source=source, incarnation=str(meta.get("incarnation", "")), meta=meta)
+                    source=source, incarnation=Incarnation.of(meta).id, meta=meta)
 
 
 # --------------------------------------------------------------------------------- run summaries
@@ -614,7 +603,7 @@ def render_status(doc: dict[str, Any]) -> list[str]:
     if doc["instances_hidden"]:
         lines.append(f"  health: no service instance of {', '.join(doc['services'])} is visible: "
                      "its agents may be down, or ACLs hide it (a token needs service_prefix "
-                     '"torchelastic-" and node_prefix "" { policy = "read" })')
+                     f'"{SERVICE_PREFIX}" and node_prefix "" {{ policy = "read" }})')
     elif "catalog" in doc["heartbeat_sources"]:
         lines.append("  heartbeat: (agent) = read from the agent this CLI talks to"
                      + (f" (Consul node {doc['agent_node']})" if doc["agent_node"] else "")
@@ -857,9 +846,8 @@ def cmd_close(args: argparse.Namespace) -> int:
 
 def cmd_drain(args: argparse.Namespace) -> int:
     """``drain RUN NODE``: destroy the node's session, which deletes its member key."""
-    if not _NODE_ID.match(args.node) or args.node in (".", ".."):
-        raise UsageError(f"node id {args.node!r} is invalid: use letters, digits, '_', '.', '-' "
-                         "(at most 160)")
+    if not valid_node_id(args.node):
+        raise UsageError(f"node id {args.node!r} is invalid: use {NODE_ID_RULE}")
     reader = _reader(args)
     view = _existing_view(args, reader)
     if not view.exists:
@@ -1126,7 +1114,7 @@ def _run_demo(args: argparse.Namespace, script: Path) -> int:
         url = ConsulConfig.resolve(address=args.address, env=env).url
         run_id = f"demo-{int(time.time())}"
         out = tempfile.mkdtemp(prefix="consul-rdzv-demo-")
-        service = args.service_name or f"torchelastic-{run_id}"
+        service = args.service_name or service_name(run_id)
         print(f"Consul UI: {url}/ui/dc1/services/{service}/instances")
         print(f"Running a {args.nodes}-node torchrun job (run id {run_id}) with {script.name} ...",
               flush=True)
@@ -1212,7 +1200,8 @@ def _add_global_options(parser: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_KEY_PREFIX})")
     g.add_argument("--service-name", metavar="NAME", default=s,
                    help="service name of the run's nodes (the service_name setting; default: "
-                        "torchelastic-<run_id> and any consul-rdzv service tagged run-<run_id>)")
+                        f"{SERVICE_PREFIX}<run_id> and any consul-rdzv service tagged "
+                        "run-<run_id>)")
     g.add_argument("--token-file", metavar="FILE", default=s,
                    help="file holding the ACL token (default: CONSUL_HTTP_TOKEN, "
                         "CONSUL_HTTP_TOKEN_FILE); there is no --token: a command line is "

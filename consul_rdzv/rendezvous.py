@@ -64,12 +64,12 @@ from .planning import (
 )
 from .ranks import Candidate
 from .registration import Incarnation, Registration
+from .service import NODE_ID_RULE, training_meta, training_note, valid_node_id
 from .settings import RendezvousSettings
 from .watch import RoundWatch, WatchedRound
 
 logger = logging.getLogger(__name__)
 
-_NODE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,160}$")
 _SEQ = itertools.count()
 #: Longest single blocking query while waiting for a round (a return is cheap; it lets the
 #: waiter notice a lost session or a passed deadline).
@@ -152,11 +152,8 @@ class ConsulRendezvous:
         self.client = client or ConsulClient(retry_timeout=settings.consul_timeout)
         self.keys = Keys(settings.prefix)
         self.node_id = node_id or default_node_id()
-        if not _NODE_ID.match(self.node_id) or self.node_id in (".", ".."):  # see settings.py
-            raise ValueError(
-                f"node id {self.node_id!r} is invalid: use 1-160 characters of letters, digits, "
-                "'_', '.' or '-' (not '.' or '..')."
-            )
+        if not valid_node_id(self.node_id):
+            raise ValueError(f"node id {self.node_id!r} is invalid: use {NODE_ID_RULE}.")
         self.host = host or socket.gethostname()
         _check_round_fits(settings, self.node_id, self.host)
         self.incarnation = Incarnation.new()
@@ -274,11 +271,9 @@ class ConsulRendezvous:
         spread = random.uniform(0.0, min(META_SPREAD_MAX, result.world_size * META_SPREAD))
         store = result.store or {}
         self.registration.publish(
-            {"state": "training", "round": str(result.round), "rank": str(result.rank),
-             "world_size": str(result.world_size),
-             "store": f"{store.get('host', '')}:{store.get('port', '')}"},
+            training_meta(result.round, result.rank, result.world_size, store),
             delay=META_DELAY + spread,
-            note=f"round {result.round} · rank {result.rank}/{result.world_size} · training",
+            note=training_note(result.round, result.rank, result.world_size),
             port=store.get("port") if result.rank == 0 and isinstance(store.get("port"), int)
             else None)
         self._start_watch(result)
