@@ -37,18 +37,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .client import MAX_TXN_OPS, BlockingIndex, ConsulClient, KVEntry, Step, txn_kv
+from . import __version__, runs
+from .client import BlockingIndex, ConsulClient, KVEntry, Step
 from .config import ConsulConfig
 from .errors import (
     ConsulError,
-    ConsulNotFound,
     ConsulTxnConflict,
     ConsulUnavailableError,
     RendezvousError,
 )
-from .layout import Drain, Keys, Member, Round, RunState
+from .layout import Keys, Member, RunState
 from .planning import active_participants
+from .runs import Closing, Verdict
 from .service import (
     DEFAULT_KEY_PREFIX,
     NODE_ID_RULE,
@@ -811,29 +811,23 @@ def _existing_view(args: argparse.Namespace, reader: Reader) -> RunView:
 
 
 def cmd_close(args: argparse.Namespace) -> int:
-    """``close RUN``: mark the run closed (a CAS on its round key), only if the run exists."""
+    """``close RUN``: mark the run closed (runs.close: a CAS on its round key), only if the run
+    exists."""
     reader = _reader(args)
     view = _existing_view(args, reader)
     if not view.exists:
         raise _no_such_run(view, "; nothing was written")
-    keys = Keys(view.prefix)
-    client = reader.client
-    by = f"consul-rdzv close on {socket.gethostname()}"
-    deadline = time.monotonic() + max(10.0, args.consul_timeout)
-    while True:
-        res = client.kv_get(keys.round, consistent=True)
-        current = Round.decode(res.data) if res.data else Round()
-        if current.closed:
-            print(f"run {args.run_id} was already closed by {current.closed.get('by', '?')} "
-                  f"({current.closed.get('reason', '')}); nothing changed.")
-            return 0
-        current.closed = {"reason": args.reason, "at": time.time(), "by": by}
-        if client.kv_put(keys.round, current.encode(),
-                         cas=res.data.modify_index if res.data else 0):
-            break
-        if time.monotonic() > deadline:
-            raise CliError(f"could not close run {args.run_id}: its round key kept changing "
-                           "(a coordinator sealing rounds); try again")
+    done = runs.close(reader.client, Keys(view.prefix), reason=args.reason,
+                      by=f"consul-rdzv close on {socket.gethostname()}",
+                      deadline=time.monotonic() + max(10.0, args.consul_timeout))
+    if done.result is Closing.ALREADY:
+        closed = done.round.closed or {}
+        print(f"run {args.run_id} was already closed by {closed.get('by', '?')} "
+              f"({closed.get('reason', '')}); nothing changed.")
+        return 0
+    if not done.closed:
+        raise CliError(f"could not close run {args.run_id}: its round key kept changing "
+                       "(a coordinator sealing rounds); try again")
     live = len(view.state.members) if view.state else 0
     print(f"run {args.run_id} closed ({args.reason}).")
     print("This stops future rounds only: nodes that are training keep training until their "
@@ -853,36 +847,22 @@ def cmd_drain(args: argparse.Namespace) -> int:
     if not view.exists:
         raise _no_such_run(view, "; nothing was changed")
     keys = Keys(view.prefix)
-    client = reader.client
-    entry = client.kv_get(keys.member(args.node)).data
     state = view.state or RunState()
+    done = runs.drain(reader.client, keys, args.node,
+                      by=f"consul-rdzv drain ({socket.gethostname()})", reason=args.reason,
+                      timeout=max(5.0, args.consul_timeout))
+    entry, member = done.entry, done.member
     if entry is None:
         members = ", ".join(sorted(state.members)) or "none"
         raise CliError(f"node {args.node!r} is not in run {args.run_id}: no key "
                        f"{keys.member(args.node)} (nodes present: {members})")
-    if not entry.session:
-        client.kv_delete(keys.member(args.node), cas=entry.modify_index)
+    if member is None:
         print(f"node {args.node}: its member key held no session; deleted it.")
         return 0
-    coordinator = state.leader is not None and state.leader_session == entry.session
-    member = Member.decode(entry)
-    # The drain request names the process (incarnation) to take out: the node refuses its next
-    # round and leaves for good, while a later process with the same node id may join again.
-    drain = Drain(node=args.node, incarnation=member.incarnation, by=f"consul-rdzv drain "
-                  f"({socket.gethostname()})", reason=args.reason, at=time.time())
-    client.kv_put(keys.drain(args.node), drain.encode())
-    with contextlib.suppress(ConsulNotFound):
-        client.session_destroy(entry.session)
-    # Consul deletes the session's keys (Behavior delete) as part of destroying it; wait for it.
-    index, deadline = 0, time.monotonic() + max(5.0, args.consul_timeout)
-    while time.monotonic() < deadline:
-        res = client.kv_get(keys.member(args.node), index=index or None, wait=1.0)
-        if res.data is None or res.data.session != entry.session:
-            break
-        index = res.index
-    else:
+    if not done.gone:
         raise CliError(f"destroyed session {entry.session} of node {args.node}, but its member "
                        f"key {keys.member(args.node)} is still there")
+    coordinator = state.leader is not None and state.leader_session == entry.session
     current = state.round
     in_round = bool(current and args.node in current.ranks)
     print(f"node {args.node} drained from run {args.run_id}: its Consul session "
@@ -903,17 +883,16 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """``gc``: delete runs that ended (closed, no live node) or were abandoned."""
-    reader, runs, rows = _all_runs(args)
+    reader, entries, rows = _all_runs(args)
     doomed, kept = [], []
     for row in rows:
-        why = _gc_reason(row, args.older_than)
-        row["why"] = why[1]
-        (doomed if why[0] else kept).append(row)
+        delete, row["why"] = _gc_reason(row, args.older_than)
+        (doomed if delete else kept).append(row)
     deleted = []
     if args.yes:
         for row in doomed:
             try:
-                _delete_run(reader.client, runs[row["run_id"]])
+                runs.delete_run(reader.client, entries[row["run_id"]])
                 deleted.append(row)
             except ConsulTxnConflict:
                 row["why"] = "changed while being deleted (a node joined?): left as it is"
@@ -948,33 +927,27 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _gc_reason(row: dict[str, Any], older_than: float) -> tuple[bool, str]:
-    """Whether ``gc`` deletes a run, and why (or why not)."""
-    if row["invalid"]:
-        return False, "not consul-rdzv state: never touched"
-    if row["nodes"]:
-        return False, f"{row['nodes']} live node(s)"
-    if row["state"] == "closed":
-        return True, "closed, no live node"
-    if row["passing_instances"]:
-        return False, f"{row['passing_instances']} passing service instance(s) (nodes starting)"
+    """Whether ``gc`` deletes a run (runs.gc_verdict decides), and why (or why not)."""
     idle = row["idle"]
-    if idle is not None and idle < older_than:
-        return False, (f"no live node for now, last activity {fmt_duration(idle)} ago "
-                       f"(< --older-than {fmt_duration(older_than)})")
-    when = "unknown" if idle is None else f"{fmt_duration(idle)} ago"
-    return True, f"abandoned: no live node, no passing instance, last activity {when}"
-
-
-def _delete_run(client: ConsulClient, entries: list[KVEntry]) -> None:
-    """Delete a run's keys, each only if unchanged since it was read (``delete-cas``), and the
-    session that keeps a finished run's closed marker (closed_retention), if any: an ended
-    run leaves nothing."""
-    ops = [txn_kv("delete-cas", e.key, index=e.modify_index) for e in entries]
-    for start in range(0, len(ops), MAX_TXN_OPS):
-        client.txn(ops[start:start + MAX_TXN_OPS])
-    for session in {e.session for e in entries if e.session and e.key.endswith("/round/current")}:
-        with contextlib.suppress(ConsulError):
-            client.session_destroy(session)
+    verdict = runs.gc_verdict(invalid=bool(row["invalid"]), nodes=row["nodes"],
+                              closed=row["state"] == "closed",
+                              passing=row["passing_instances"], idle=idle,
+                              older_than=older_than)
+    if verdict is Verdict.INVALID:
+        why = "not consul-rdzv state: never touched"
+    elif verdict is Verdict.LIVE:
+        why = f"{row['nodes']} live node(s)"
+    elif verdict is Verdict.CLOSED:
+        why = "closed, no live node"
+    elif verdict is Verdict.STARTING:
+        why = f"{row['passing_instances']} passing service instance(s) (nodes starting)"
+    elif verdict is Verdict.RECENT:
+        why = (f"no live node for now, last activity {fmt_duration(idle or 0.0)} ago "
+               f"(< --older-than {fmt_duration(older_than)})")
+    else:
+        when = "unknown" if idle is None else f"{fmt_duration(idle)} ago"
+        why = f"abandoned: no live node, no passing instance, last activity {when}"
+    return verdict.delete, why
 
 
 def _agent_listen(args: argparse.Namespace) -> tuple[str, int]:
