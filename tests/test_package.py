@@ -61,7 +61,7 @@ def test_the_example_script_is_not_imported_by_the_package():
     for control in ("from .examples import train", "from .examples.train import main",
                     "import consul_rdzv.examples.train",
                     "def f():\n    from .examples import train\n"):
-        assert train in imported_modules(PACKAGE / "cli.py", control), control
+        assert train in imported_modules(PACKAGE / "runs.py", control), control
     for path in PACKAGE.rglob("*.py"):
         assert train not in imported_modules(path), path
 

@@ -12,7 +12,7 @@ import calendar
 import pytest
 
 from consul_rdzv import service
-from consul_rdzv.cli import _instance
+from consul_rdzv.cli.read import Instance
 from consul_rdzv.client import ConsulClient
 from consul_rdzv.config import ConsulConfig
 from consul_rdzv.registration import Incarnation, Registration
@@ -181,7 +181,7 @@ def test_the_cli_reads_what_the_node_writes(client):
     d = reg.definition()
     now = 1_767_225_700.5
     entry = health_entry(d, service.heartbeat_note(d["Check"]["Notes"], now=now))
-    inst = _instance(entry, "job-7", {})
+    inst = Instance.from_health(entry, "job-7", {})
     assert inst is not None
     assert (inst.node_id, inst.service_id, inst.service) == ("node-a", reg.service_id,
                                                              "torchelastic-job-7")
@@ -191,8 +191,8 @@ def test_the_cli_reads_what_the_node_writes(client):
     # the agent's own copy of the check wins over the catalog's (its output is current)
     later = service.heartbeat_note(d["Check"]["Notes"], now=now + 7)
     local = {reg.check_id: {"Node": "consul-node-1", "Status": "critical", "Output": later}}
-    inst = _instance(entry, "job-7", local)
+    inst = Instance.from_health(entry, "job-7", local)
     assert (inst.status, inst.source) == ("critical", "agent")
     assert inst.heartbeat_at == pytest.approx(now + 7, abs=1e-6)
     # another run sharing the service name is not this run's
-    assert _instance(entry, "job-8", {}) is None
+    assert Instance.from_health(entry, "job-8", {}) is None
