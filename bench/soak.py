@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import logging
 import math
@@ -70,6 +71,9 @@ POLL = 0.1
 START_TIMEOUT = 600.0
 #: After the planned end, how long the jobs get to finish and leave.
 END_GRACE = 600.0
+#: Consul reaps a KV tombstone after its tombstone TTL (15 min) plus up to its granularity:
+#: a soak that trained at least this long must have seen the spare's tombstone reaped.
+TOMBSTONE_JUDGED = 20 * 60.0
 
 logger = logging.getLogger("bench.soak")
 
@@ -167,11 +171,13 @@ class ConsulView:
                 if path != "v1_agent_metrics":
                     key = f"{method} {path}"
                     counts[key] = counts.get(key, 0.0) + float(value)
-            elif line.startswith(("go_goroutines ", "consul_fsm_tombstone_count ")):
-                name, value = line.split()
-                gauges[name] = float(value)
-        return {"counts": counts, "goroutines": gauges.get("go_goroutines"),
-                "tombstone_reaps": gauges.get("consul_fsm_tombstone_count")}
+            elif line.startswith("go_goroutines "):
+                gauges["goroutines"] = float(line.split()[1])
+            elif line.startswith("consul_fsm_tombstone_count"):
+                # consul_fsm_tombstone_count{op="reap"} N (plus an unlabelled 0 series)
+                gauges["reaps"] = gauges.get("reaps", 0.0) + float(line.rsplit(" ", 1)[1])
+        return {"counts": counts, "goroutines": gauges.get("goroutines"),
+                "tombstone_reaps": gauges.get("reaps")}
 
     def sessions(self) -> list[dict]:
         _, body, _ = self._get("/v1/session/list", "v1_session_list")
@@ -499,11 +505,11 @@ def sample_line(site: Site, sample: dict) -> str:
 
 # --------------------------------------------------------------------------- summary
 
-def series(site: Site) -> dict[str, list[float]]:
-    """Every recorded quantity of a site as a time series (None where absent)."""
+def series(samples: list[dict]) -> dict[str, list[float]]:
+    """Every recorded quantity of a site's samples as a time series (None where absent)."""
     out: dict[str, list] = defaultdict(list)
-    n = len(site.samples)
-    for i, s in enumerate(site.samples):
+    n = len(samples)
+    for i, s in enumerate(samples):
         def put(name: str, value, i: int = i) -> None:
             values = out[name]
             values.extend([None] * (i - len(values)))
@@ -545,10 +551,13 @@ def fmt(v) -> str:
     return f"{v:.0f}" if isinstance(v, float) else str(v)
 
 
-def summary_table(site: Site) -> str:
-    lines = [f"### {site.name}: {len(site.samples)} samples",
+def summary_table(site: Site, training: list[dict]) -> str:
+    """First, last, max and min of every series over the samples taken while every job ran
+    (request rates: per interval ending at the sample; the first holds the spare's join)."""
+    t = f"t = {training[0]['t']:.0f}-{training[-1]['t']:.0f} s" if training else "none"
+    lines = [f"### {site.name}: {len(training)} samples while every job trained ({t})",
              "| series | first | last | max | min | samples |", "|---|---|---|---|---|---|"]
-    for name, values in series(site).items():
+    for name, values in series(training).items():
         flm = first_last_max(values)
         if flm:
             lines.append(f"| {name} | {fmt(flm[0])} | {fmt(flm[1])} | {fmt(flm[2])} | "
@@ -556,9 +565,29 @@ def summary_table(site: Site) -> str:
     return "\n".join(lines)
 
 
+def steady_requests(training: list[dict]) -> dict[str, dict[str, float]]:
+    """Per agent, requests per second by ``METHOD path`` over the training intervals after the
+    first (which holds the spare's join and leave): what a healthy job costs."""
+    out: dict[str, dict[str, float]] = {}
+    for agent in (training[0]["agents"] if training else {}):
+        seconds, totals = 0.0, Counter()
+        for s in training[2:]:
+            req = s["agents"].get(agent, {}).get("requests")
+            if req:
+                seconds += req["seconds"]
+                for key, rate in req["by_path"].items():
+                    totals[key] += rate * req["seconds"]
+        if seconds:
+            out[agent] = {"seconds": round(seconds), "per_s": round(sum(totals.values())
+                                                                    / seconds, 4),
+                          **{k: round(v / seconds, 4) for k, v in sorted(totals.items())}}
+    return out
+
+
 def checks(site: Site, final: dict, training_samples: list[dict]) -> list[tuple[bool, str]]:
     """(ok, what) for every property a healthy soak must have."""
     out: list[tuple[bool, str]] = []
+    training = training_samples
     for job in site.jobs:
         st = job.status()
         restarts = sum(st["restarts"].values())
@@ -587,6 +616,24 @@ def checks(site: Site, final: dict, training_samples: list[dict]) -> list[tuple[
                     f"{site.name}/{job.name}: after the end: keys {run.get('key_names')}, "
                     f"services {run.get('services')}, sessions {run.get('sessions')} "
                     f"(of which the closed marker's {run.get('sessions_ended')})"))
+    # The spare's tombstone under P/members/: reaped after Consul's tombstone TTL (15 min),
+    # when each run's members index falls back (and the servers count a reap).
+    span = training[-1]["t"] - training[0]["t"] if training_samples else 0.0
+    drops = {}
+    for job in site.jobs:
+        idx = [(s["t"], s["runs"].get(job.name, {}).get("members_index")) for s in training]
+        idx = [(t, i) for t, i in idx if i is not None]
+        drops[job.name] = [f"{a[1]}->{b[1]} at t={b[0]:.0f}s"
+                           for a, b in itertools.pairwise(idx) if b[1] < a[1]]
+    reaps = [s.get("tombstone_reaps") for s in training if s.get("tombstone_reaps") is not None]
+    what = (f"{site.name}: members index fell back (tombstone reaped) in "
+            f"{sum(1 for d in drops.values() if d)} of {len(drops)} runs: {drops}; tombstone "
+            f"reaps applied {reaps[0] if reaps else '?'}->{reaps[-1] if reaps else '?'}")
+    if span >= TOMBSTONE_JUDGED:
+        out.append((all(drops.values()), what))
+    else:
+        out.append((True, what + f" (soak shorter than {TOMBSTONE_JUDGED / 60:.0f} min: not "
+                                 "judged)"))
     # The node processes (torchrun agents, the handlers' process); the workers are
     # examples/train.py, whose fds move with its progress-file writes: recorded, not judged.
     for proc in sorted({p for s in training_samples for p in s["processes"]
@@ -738,8 +785,20 @@ def run_soak(opts) -> int:
                                   "status": j.status(), "logs": j.logs()} for j in site.jobs},
                 "spares": site.spares, "samples": site.samples, "after_end": final,
                 "checks": [{"ok": ok, "what": what} for ok, what in site_checks],
-                "series": series(site)}
-            print(f"\n{summary_table(site)}\n", flush=True)
+                "series": series(site.samples)}
+            steady = steady_requests(training)
+            result["sites"][site.name]["steady_requests_per_s"] = steady
+            print(f"\n{summary_table(site, training)}\n", flush=True)
+            print(f"### {site.name}: requests per second while training, after the spare's "
+                  "interval (Consul's count, the sampler's own subtracted)", flush=True)
+            for agent, rates in steady.items():
+                print(f"- {agent}: " + ", ".join(f"{k} {v:g}" for k, v in rates.items()),
+                      flush=True)
+            print(f"### {site.name}: after the end", flush=True)
+            for name, run in final.items():
+                print(f"- {name}: keys {run['key_names']}, sessions {run['sessions']} (the "
+                      f"closed marker's {run['sessions_ended']}), services {run['services']}",
+                      flush=True)
             print(f"### {site.name}: spares", flush=True)
             for spare in site.spares:
                 print(f"- {spare['job']}: {spare['result']} in {spare['seconds']}s, "
