@@ -14,7 +14,9 @@ and goroutines, and the median round time. Then every node ``shutdown()``s as to
 when a job succeeded, and what stays in Consul is recorded. The nodes log warnings only
 (``LOGLEVEL=INFO`` for a line per node and round).
 
-Flat means: threads and fds no higher at the last sample than at the first, RSS growth after
+Flat means: threads no higher at the last sample than at the first, fds too except the nodes'
+connections to Consul, which stay within their keep-alive pools (``pool_size`` per node: a
+pool opens a connection when its node's threads first need one more at once), RSS growth after
 the first interval under 20 MB (also reported per 1,000 rounds), keys = N members + leader +
 round and sessions = N at every sample, requests per node and round no higher in the later
 half of the run than in the earlier half (+0.5), and after the shutdown nothing but the closed
@@ -34,7 +36,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.soak import CHECK_PASS, ConsulView, machine, proc_stats
+from bench.soak import CHECK_PASS, ConsulView, fd_kinds, fds_flat, machine, proc_stats
 
 #: Pause before a sample: the round's service-meta publishes (0.5 s + 20 ms per member) are done.
 SETTLE = 1.0
@@ -58,21 +60,29 @@ def run_flat(opts) -> int:
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
     from bench.run import product_version, raise_nofile
-    from bench.servers import ClusterServer, ConsulServer
+    from bench.servers import (
+        ClusterServer,
+        ConsulServer,
+        loopback_hosts_file,
+        use_hosts_file,
+    )
 
     raise_nofile()
-    # One INFO line per node and round would bury the samples: warnings only, unless asked.
-    os.environ.setdefault("LOGLEVEL", "WARNING")
-    n, rounds, every = opts.nodes, opts.rounds, opts.every
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     workdir = Path(opts.workdir or f"/tmp/consul-rdzv-flat-{stamp}")
     workdir.mkdir(parents=True, exist_ok=True)
+    if opts.loopback_hosts:  # while this process is single-threaded (bench/servers.py)
+        use_hosts_file(str(loopback_hosts_file(workdir)))
+    # One INFO line per node and round would bury the samples: warnings only, unless asked.
+    os.environ.setdefault("LOGLEVEL", "WARNING")
+    n, rounds, every = opts.nodes, opts.rounds, opts.every
     out_path = Path(opts.out or workdir / "flat.json")
     key_prefix, run_id = f"flat-{stamp}", f"flat-{uuid.uuid4().hex[:6]}"
     meta = {"command": " ".join(["python -m bench.soak", *sys.argv[1:]]),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": machine(), "product": product_version(), "nodes": n, "rounds": rounds,
             "every": every, "cluster": bool(opts.cluster), "run_id": run_id,
+            "loopback_hosts": bool(opts.loopback_hosts),
             "key_prefix": key_prefix}
     server = ClusterServer(servers=3, clients=2) if opts.cluster else ConsulServer()
     samples: list[dict] = []
@@ -93,6 +103,7 @@ def run_flat(opts) -> int:
             agent_pids = [server.pid]
             state = views[0]
         endpoints = [v.url.split("://", 1)[1] for v in views]
+        consul_ports = {int(e.rsplit(":", 1)[1]) for e in endpoints}
 
         def make(i: int):
             return get_rendezvous_handler(RendezvousParameters(
@@ -118,7 +129,8 @@ def run_flat(opts) -> int:
             time.sleep(SETTLE)
             now = time.monotonic()
             total, own = counts()
-            entry: dict = {"round": done, **(proc_stats(os.getpid()) or {})}
+            entry: dict = {"round": done, **(proc_stats(os.getpid()) or {}),
+                           "fd_kinds": fd_kinds(os.getpid(), consul_ports)}
             if last["counts"] is not None:
                 before, own_before = last["counts"]
                 delta = {k: v - before.get(k, 0.0) - (own.get(k, 0) - own_before.get(k, 0))
@@ -145,7 +157,8 @@ def run_flat(opts) -> int:
             samples.append(entry)
             _, own = counts()  # the metrics reads themselves are not counted by Consul
             last.update(round=done, time=time.monotonic(), counts=(total, own))
-            print(f"round {done}: threads {entry.get('threads')} fds {entry.get('fds')} rss "
+            print(f"round {done}: threads {entry.get('threads')} fds {entry.get('fds')} "
+                  f"{entry.get('fd_kinds')} rss "
                   f"{entry.get('rss_mb')}MB req/node/round "
                   f"{entry.get('requests_per_node_round', '-')} keys {entry['keys']} sessions "
                   f"{entry['sessions']} services {entry['services']} agent rss "
@@ -184,8 +197,7 @@ def run_flat(opts) -> int:
             (last_s["threads"] <= first["threads"],
              f"threads {first['threads']} (round 1) -> {last_s['threads']} (round {rounds}), "
              f"max {max(s['threads'] for s in samples)}"),
-            (last_s["fds"] <= first["fds"],
-             f"fds {first['fds']} -> {last_s['fds']}, max {max(s['fds'] for s in samples)}"),
+            fds_flat(samples, n),
             (growth < RSS_BOUND_MB,
              f"RSS {first['rss_mb']} MB (round 1), {warm['rss_mb']} MB (round "
              f"{warm['round']}) -> {last_s['rss_mb']} MB (round {rounds}): "
@@ -209,11 +221,12 @@ def run_flat(opts) -> int:
                                 f"{per_round[-1]}"))
         result["checks"] = [{"ok": ok, "what": what} for ok, what in flat_checks]
         print(f"\n{rounds} rounds in {meta['seconds']}s", flush=True)
-        print("| round | threads | fds | RSS MB | req/node/round | keys | sessions | services "
-              "| agent RSS MB | goroutines | round s (median) |", flush=True)
-        print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+        print("| round | threads | fds | of which to Consul | RSS MB | req/node/round | keys | "
+              "sessions | services | agent RSS MB | goroutines | round s (median) |", flush=True)
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
         for s in samples:
-            print(f"| {s['round']} | {s['threads']} | {s['fds']} | {s['rss_mb']} | "
+            print(f"| {s['round']} | {s['threads']} | {s['fds']} | "
+                  f"{(s.get('fd_kinds') or {}).get('consul', '')} | {s['rss_mb']} | "
                   f"{s.get('requests_per_node_round', '')} | {s['keys']} | {s['sessions']} | "
                   f"{s['services']} | {'/'.join(str(x) for x in s['agent_rss_mb'])} | "
                   f"{'/'.join(f'{x:.0f}' for x in s['agent_goroutines'])} | "

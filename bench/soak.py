@@ -103,6 +103,75 @@ def proc_stats(pid: int | None) -> dict | None:
             "cpu_s": round(cpu, 2)}
 
 
+def fd_kinds(pid: int, consul_ports: set[int]) -> dict[str, int] | None:
+    """What a process's open fds are: TCP connections to Consul (``consul``, remote port one of
+    ``consul_ports``), listening sockets (``listen``: a trainer store), other TCP connections
+    (``tcp``: trainer-store connections), other sockets, pipes, anon inodes, files."""
+    sockets: dict[str, tuple[int, str]] = {}
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9:
+                sockets[cols[9]] = (int(cols[2].rsplit(":", 1)[1], 16), cols[3])
+    kinds: Counter[str] = Counter()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            remote_port, state = sockets.get(target[8:-1], (None, ""))
+            if state == "0A":
+                kinds["listen"] += 1
+            elif remote_port in consul_ports:
+                kinds["consul"] += 1
+            elif remote_port is not None:
+                kinds["tcp"] += 1
+            else:
+                kinds["socket"] += 1
+        elif target.startswith("pipe:["):
+            kinds["pipe"] += 1
+        elif target.startswith("anon_inode:"):
+            kinds["anon"] += 1
+        else:
+            kinds["file"] += 1
+    return dict(sorted(kinds.items()))
+
+
+def pool_size() -> int:
+    """Keep-alive connections a node's ConsulClient keeps at most (its ``pool_size``)."""
+    import inspect
+
+    from consul_rdzv.client import ConsulClient
+
+    return int(inspect.signature(ConsulClient.__init__).parameters["pool_size"].default)
+
+
+def fds_flat(vals: list[dict], nodes: int) -> tuple[bool, str]:
+    """Whether a process's fds stayed flat from its first to its last sample: everything but
+    its Consul connections no higher, and those within the nodes' keep-alive pools (a pool
+    keeps up to ``pool_size`` connections, opened as concurrent requests first need them)."""
+    first, last = vals[0], vals[-1]
+    text = f"fds {first['fds']}->{last['fds']} (max {max(v['fds'] for v in vals)})"
+    kinds0, kinds1 = first.get("fd_kinds"), last.get("fd_kinds")
+    if not kinds0 or not kinds1:
+        return last["fds"] <= first["fds"], text
+    c0, c1 = kinds0.get("consul", 0), kinds1.get("consul", 0)
+    o0, o1 = first["fds"] - c0, last["fds"] - c1
+    cap = nodes * pool_size()
+    return (o1 <= o0 and c1 <= cap,
+            f"{text}: Consul connections {c0}->{c1} (keep-alive pools, at most {cap}), the "
+            f"rest {o0}->{o1} ({kinds1})")
+
+
 def children(pid: int, needle: str = "") -> list[int]:
     """Live child processes of ``pid`` whose command line contains ``needle``."""
     found = []
@@ -448,10 +517,13 @@ def sample_site(site: Site, started: float) -> dict:
     sample: dict = {"t": round(now - started, 1), "time": now, "processes": {}, "agents": {},
                     "runs": {}, "jobs": {},
                     "all_running": not any(job.done() for job in site.jobs)}
+    consul_ports = {int(ref.view.url.rsplit(":", 1)[1]) for ref in site.node_agents}
     for job in site.jobs:
         for name, pid in job.processes().items():
             stats = proc_stats(pid)
             if stats:
+                if "/worker" not in name:
+                    stats["fd_kinds"] = fd_kinds(pid, consul_ports)
                 sample["processes"][name] = stats
         sample["jobs"][job.name] = job.status()
     for ref in site.node_agents:
@@ -641,13 +713,14 @@ def checks(site: Site, final: dict, training_samples: list[dict]) -> list[tuple[
         vals = [s["processes"][proc] for s in training_samples if proc in s["processes"]]
         if len(vals) < 2:
             continue
+        nodes = next((j.nodes for j in site.jobs
+                      if j.kind == "handlers" and proc.startswith(f"{j.name}/")), 1)
         dt = vals[-1]["threads"] - vals[0]["threads"]
-        dfd = vals[-1]["fds"] - vals[0]["fds"]
+        fd_ok, fd_text = fds_flat(vals, nodes)
         drss = vals[-1]["rss_mb"] - vals[0]["rss_mb"]
-        out.append((dt <= 0 and dfd <= 0 and drss < 20,
+        out.append((dt <= 0 and fd_ok and drss < 20,
                     f"{site.name}/{proc}: threads {vals[0]['threads']}->{vals[-1]['threads']} "
-                    f"(max {max(v['threads'] for v in vals)}), fds {vals[0]['fds']}->"
-                    f"{vals[-1]['fds']} (max {max(v['fds'] for v in vals)}), RSS "
+                    f"(max {max(v['threads'] for v in vals)}), {fd_text}, RSS "
                     f"{vals[0]['rss_mb']:.1f}->{vals[-1]['rss_mb']:.1f} MB"))
     return out
 
@@ -932,6 +1005,9 @@ def parse_args(argv=None):
     p.add_argument("--nodes", type=int, default=8, help="flatness: nodes (default 8)")
     p.add_argument("--every", type=int, default=50,
                    help="flatness: sample every this many rounds (default 50)")
+    p.add_argument("--loopback-hosts", action="store_true",
+                   help="flatness: a private /etc/hosts naming ::ffff:127.0.0.1 (root; see "
+                        "docs/benchmarks.md, 'Measuring on one machine')")
     p.add_argument("--workdir", help="logs and files (default /tmp/consul-rdzv-soak-<stamp>)")
     p.add_argument("--out", help="JSON file of the samples (default <workdir>/soak.json)")
     p.add_argument("--child-handlers", help=argparse.SUPPRESS)
