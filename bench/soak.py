@@ -988,7 +988,10 @@ def child_handlers(spec: dict) -> int:
 # --------------------------------------------------------------------------- CLI
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.soak",
+        description="Long runs: a soak of real torchrun jobs over Consul's real watch wait "
+                    "(--minutes), or the flatness of back-to-back rounds (--rounds).")
     p.add_argument("--minutes", type=float, help="soak: train at least this long")
     p.add_argument("--cluster", action="store_true",
                    help="soak also on a ConsulCluster (3 servers, 4 client agents), same run")
@@ -1022,6 +1025,11 @@ def parse_args(argv=None):
         value = getattr(opts, name)
         if value is not None and value < 1:
             p.error(f"--{name} must be at least 1, not {value}")
+    if opts.loopback_hosts and opts.rounds is None:
+        p.error("--loopback-hosts is for the flatness run (--rounds): the soak's rounds are few")
+    if opts.loopback_hosts and os.geteuid() != 0:
+        p.error("--loopback-hosts needs root (a private mount namespace over /etc/hosts); run "
+                "without it, or as root")
     if opts.no_dev and not opts.cluster:
         p.error("--no-dev leaves no site: add --cluster")
     return opts

@@ -37,6 +37,7 @@ def test_request_rates_subtract_the_samplers_own_requests_and_survive_a_counter_
     (["--minutes", "0"], "--minutes must be positive"),
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--minutes", "1", "--no-dev"], "--no-dev leaves no site: add --cluster"),
+    (["--minutes", "1", "--loopback-hosts"], "--loopback-hosts is for the flatness run"),
 ])
 def test_bad_arguments_get_one_clear_error(argv, message, capsys):
     with pytest.raises(SystemExit):
