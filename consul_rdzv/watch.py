@@ -22,7 +22,10 @@ is always decided from data:
   round's ``members_index``);
 * the same names, every one a participant's, and the index moved: a participant rewrote its key,
   it asks for a new round. No value is read for that: at 1024 members the names are ~24 KB per
-  watcher, the values ~430 KB, and in a mass re-announcement every survivor wakes at once.
+  watcher, the values ~430 KB, and in a mass re-announcement every survivor wakes at once. Only
+  the first move after a failure or a reset is checked by a read: the read that rebuilt the
+  baseline may have come from a server with older state (restarted from its last snapshot),
+  which catches up a moment later without anything having changed.
 
 **Servers behind the round.** A ``?stale`` answer comes from any server. One whose index is below
 the round's ``joined_index`` (the newest member write the round was sealed from) has not applied
@@ -88,11 +91,15 @@ class Judgement:
 
 
 def judge(known: Mapping[str, MemberView], names: Set[str], step: Step,
-          participants: Set[str]) -> Judgement:
+          participants: Set[str], *, trust_moves: bool = True) -> Judgement:
     """What one ``?keys`` answer means, given what the watch knows (see the module doc).
 
     ``known`` maps each member key we know of to its view; ``names`` are the key names the
     answer listed; ``step`` is what the answer's index did (:meth:`BlockingIndex.update`).
+    ``trust_moves`` False: the index's last baseline came from a read after a failure or a
+    reset, possibly from a server with older state (one restarted from its last snapshot that
+    catches up a moment later): a move with the same names is checked by reading the values,
+    not taken for a participant's rewrite.
     """
     if step is Step.RESET:
         return Judgement(Action.READ)
@@ -108,7 +115,7 @@ def judge(known: Mapping[str, MemberView], names: Set[str], step: Step,
         # A newcomer (its value tells its rank), or a non-participant that left: a participant's
         # rewrite in the same answer would be invisible in the names.
         return Judgement(Action.READ)
-    if names <= participants:
+    if names <= participants and trust_moves:
         return Judgement(Action.OVER, asking=True)
     return Judgement(Action.READ)
 
@@ -189,6 +196,7 @@ class RoundWatch:
         known: dict[str, MemberView] = {n: MemberView(0) for n in w.participants}
         read = False
         failures = 0
+        distrust = False  # the baseline came from a read after a failure or a reset
         while not self._stopped.is_set():
             try:
                 if read:
@@ -208,7 +216,12 @@ class RoundWatch:
                         raise _Behind(res.index)
                     step = index.update(res.index)
                     names = {k[len(prefix):] for k in res.data}
-                    judgement = judge(known, names, step, participants)
+                    judgement = judge(known, names, step, participants,
+                                      trust_moves=not distrust)
+                    if step is Step.RESET:
+                        distrust = True
+                    elif step is Step.MOVED:
+                        distrust = False
                     if judgement.action is Action.READ:
                         read = True
                         continue
@@ -226,6 +239,7 @@ class RoundWatch:
                     # whole wait).
                     index.reset()
                     read = True
+                    distrust = True
                 else:
                     self.ignored += 1
                 failures += 1

@@ -261,3 +261,23 @@ def test_cut_off_is_an_agent_alone_in_its_gossip_view():
     assert not cut_off([alive]), "a lone dev agent is not cut off"
     assert not cut_off([alive, alive, failed, failed]), "quorum lost, a client agent alive"
     assert not cut_off([alive, failed, alive]), "a leader election"
+
+
+def test_a_move_after_a_failure_is_checked_by_a_read_not_taken_for_a_rewrite():
+    """A query fails; the read that rebuilds the baseline comes from a server restarted from an
+    older snapshot (index 22); it catches up (29) with the same names and nothing rewritten:
+    the move is read, not taken for a participant asking for a new round."""
+    fake = FakeConsul(
+        keys=[ConsulUnavailableError("server restarting"), keys(29, "a", "b", "c")],
+        lists=[QueryResult(22, [entry(n, 10) for n in "abc"]),
+               QueryResult(29, [entry(n, 10) for n in "abc"])])
+    host, watch = run_watch(fake, until=lambda: len(fake.calls) >= 5, timeout=8)
+    assert not any(e[0] == "over" for e in host.events), host.events
+    assert [c[0] for c in fake.calls[:4]] == ["keys", "list", "keys", "list"], fake.calls
+    assert watch.reads == 2
+
+
+def test_judge_distrusts_a_move_only_when_told():
+    known = views(a=0, b=0, c=0)
+    assert judge(known, P, Step.MOVED, P, trust_moves=False).action is Action.READ
+    assert judge(known, {"a", "b"}, Step.MOVED, P, trust_moves=False).action is Action.OVER
