@@ -57,6 +57,7 @@ from .planning import (
 )
 from .registration import Incarnation, Registration
 from .settings import RendezvousSettings
+from .standing import Standing
 from .watch import RoundWatch, WatchedRound
 
 logger = logging.getLogger(__name__)
@@ -113,19 +114,11 @@ class ConsulRendezvous:
                                          host=self.host, incarnation=self.incarnation,
                                          address=address, on_lost=self._on_lost)
         self._endpoint_provider = endpoint_provider
-        self._lock = threading.Lock()
+        #: The round this node trains in: nodes waiting, over or not, finished or not.
+        self.standing = Standing(self.registration)
+        self._lock = threading.Lock()  # guards _left
         self._round: RoundResult | None = None
-        self._last_round_no = 0
-        self._waiting = 0
-        self._broken = threading.Event()
-        self._broken_reason = ""
-        self._broken_listeners: set[threading.Event] = set()
-        self._closed_alive: list[str] = []  # nodes of the job that closed the run, still alive
         self._left = False
-        #: The current round's watch (None while joining, after leave()).
-        self._watch: RoundWatch | None = None
-        #: The run was closed as finished in the current round: nothing more can end it.
-        self._finished: dict | None = None
         self._warned_settings: tuple[int, int] | None = None
 
     def __repr__(self) -> str:
@@ -163,11 +156,7 @@ class ConsulRendezvous:
             raise RendezvousStateError(f"Node {self.node_id} has left run {self.run_id}; "
                                        "create a new ConsulRendezvous to join again.")
         self.registration.watch_gossip(False)
-        with self._lock:
-            self._stop_watch()  # the previous round's
-            self._waiting = 0
-            self._finished = None
-            self._broken.clear()
+        self.standing.begin()
         # Probe the session only once the node has waited a while: a quick round needs no
         # probe, and a lost session usually shows up as a lapsed check anyway.
         self.registration.probe_session_from(time.monotonic() + self.settings.heartbeat_timeout)
@@ -221,8 +210,7 @@ class ConsulRendezvous:
         result.timings.update(join_started=started, released=time.time())
         result.requests = self.client.requests_sent_by_this_thread - requests_before
         self._round = result
-        with self._lock:
-            self._broken.clear()  # a loss repaired during the join does not break the new round
+        self.standing.joined()
         spread = random.uniform(0.0, min(META_SPREAD_MAX, result.world_size * META_SPREAD))
         store = result.store or {}
         self.registration.publish(
@@ -275,11 +263,7 @@ class ConsulRendezvous:
         0 once the run was closed as finished in this node's round (another node's workers
         succeeded and it left): this node's workers finish their work, nothing restarts them.
         """
-        if self._finished is not None:
-            return 0
-        if self.registration.lost:
-            return max(self._waiting, 1)
-        return self._waiting
+        return self.standing.waiting()
 
     def wait_round_broken(self, timeout: float) -> str | None:
         """Block up to ``timeout`` until the current round cannot run any more; why, or None.
@@ -288,22 +272,12 @@ class ConsulRendezvous:
         this node's own registration is lost. Used by the torch adapter while the members of a
         round meet at the trainer store.
         """
-        if self._broken.wait(timeout):
-            return self._broken_reason
-        return None
+        return self.standing.wait_broken(timeout)
 
     def wait_round_broken_or(self, event: threading.Event, timeout: float) -> str | None:
         """Block until ``event`` is set or the current round breaks, at most ``timeout``; why
         the round broke, or None. No polling: breaking the round sets ``event`` too."""
-        with self._lock:
-            self._broken_listeners.add(event)
-        try:
-            if not self._broken.is_set():
-                event.wait(timeout)
-            return self._broken_reason if self._broken.is_set() else None
-        finally:
-            with self._lock:
-                self._broken_listeners.discard(event)
+        return self.standing.wait_broken_or(event, timeout)
 
     def is_closed(self) -> bool:
         try:
@@ -369,7 +343,7 @@ class ConsulRendezvous:
         """
         with self._lock:
             already, self._left = self._left, True
-            self._stop_watch()
+        self.standing.end()
         if already:
             return True
         deadline = time.monotonic() + (timeout or self.settings.close_timeout)
@@ -399,7 +373,7 @@ class ConsulRendezvous:
         with this). The node cannot be used afterwards."""
         with self._lock:
             self._left = True
-            self._stop_watch()  # it ends after its current query
+        self.standing.end()  # it ends after its current query
         self.registration.halt()
 
     # ------------------------------------------------------------------ helpers
@@ -418,14 +392,9 @@ class ConsulRendezvous:
         )
 
     def _on_lost(self, reason: str) -> None:
-        self._set_broken(f"this node is out of its round: {reason}")
+        self.standing.set_broken(f"this node is out of its round: {reason}")
 
-    def _set_broken(self, reason: str) -> None:
-        if not self._broken.is_set():
-            self._broken_reason = reason
-            self._broken.set()
-            for event in list(self._broken_listeners):
-                event.set()
+    # ------------------------------------------------------------------ what a run leaves behind
 
     def _clean_up_run(self, deadline: float) -> None:
         """Leaving as the run's last member: remove what the run left in Consul.
@@ -510,55 +479,10 @@ class ConsulRendezvous:
             seal_id=result.seal_id, max_nodes=result.max_nodes or self.settings.max_nodes,
             settings=self.settings, node_id=self.node_id)
         with self._lock:
-            self._stop_watch()
             if self._left:
                 return
-            self._watch = RoundWatch(self.client, self.keys, watched, self,
-                                     wait=self.settings.watch_wait).start()
-
-    def _stop_watch(self) -> None:
-        """End the current round's watch (caller holds ``_lock``)."""
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
-
-    # What the round's watch reports (consul_rdzv.watch.WatchHost). A watch that was stopped
-    # or replaced meanwhile (a new next_round(), leave()) is ignored.
-
-    def watch_counted(self, watch: RoundWatch, waiting: int) -> None:
-        with self._lock:
-            if watch is not self._watch or waiting == self._waiting:
-                return
-            self._waiting = waiting
-            logger.info("Node %s sees %d node(s) waiting to join run %s (round %d).",
-                        self.node_id, waiting, self.run_id, watch.watched.round)
-
-    def watch_over(self, watch: RoundWatch, reason: str, own_key: bool, waiting: int) -> None:
-        with self._lock:
-            if watch is not self._watch:
-                return
-            self._watch = None
-            if not own_key:
-                self.registration.mark_lost("its member key was deleted (session invalidated)")
-            self._waiting = max(self._waiting, waiting, 1)
-            logger.info("Round %d of run %s is over for node %s (%s).", watch.watched.round,
-                        self.run_id, self.node_id, reason)
-            self._set_broken(f"round {watch.watched.round} is over ({reason})")
-            # nobody watches our key any more
-            self.registration.probe_session_from(time.monotonic()
-                                                 + self.settings.heartbeat_interval)
-
-    def watch_finished(self, watch: RoundWatch, closed: dict) -> None:
-        with self._lock:
-            if watch is not self._watch:
-                return
-            self._watch = None
-            self._finished = dict(closed)
-            self._waiting = 0
-        self.registration.watch_gossip(False)
-        logger.info("Run %s finished in round %d (%s, closed by %s): node %s lets its workers "
-                    "finish their work.", self.run_id, watch.watched.round,
-                    closed.get("reason", ""), closed.get("by", "?"), self.node_id)
+            self.standing.watch(RoundWatch(self.client, self.keys, watched, self.standing,
+                                           wait=self.settings.watch_wait))
 
 
 def _check_round_fits(settings: RendezvousSettings, node_id: str, host: str) -> None:
