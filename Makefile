@@ -20,8 +20,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 OTHER_PYTHONS ?= 3.10 3.12 3.13
 # The torch-free tests: the Consul client, the protocol, the CLI, the settings, the packaging.
 CORE_TESTS := tests/test_client.py tests/test_rendezvous.py tests/test_cli.py \
-	tests/test_settings.py tests/test_config.py tests/test_ranks.py tests/test_package.py \
-	tests/test_dist.py
+	tests/test_settings.py tests/test_service.py tests/test_config.py tests/test_ranks.py \
+	tests/test_package.py tests/test_dist.py
 # Left to the main run: the failure-injection tests (agent restarts, outages and freezes, killed
 # nodes, retry deadlines) test timing, not the interpreter, and take a third of the time.
 CORE_DESELECT := agent_restart or agent_down or frozen or coordinator_killed or killed_node \

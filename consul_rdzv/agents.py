@@ -22,6 +22,7 @@ import time
 
 from .client import ConsulClient
 from .errors import ConsulConfigError, ConsulError
+from .service import Incarnation
 from .settings import RendezvousSettings
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class AgentLooks:
                          self.client.config.url, exc)
             return None
         return service is not None and (
-            (service.get("Meta") or {}).get("incarnation") == self.incarnation_id)
+            Incarnation.of(service.get("Meta")).id == self.incarnation_id)
 
     def fresh_look(self) -> bool | None:
         """:meth:`holds_us` on a new connection (a balancer sends each new connection, or each

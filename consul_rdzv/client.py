@@ -45,9 +45,12 @@ from .errors import (
     ConsulUnavailableError,
     TxnOpError,
 )
+from .service import DEFAULT_KEY_PREFIX, SERVICE_PREFIX
 
 logger = logging.getLogger(__name__)
 
+#: Consul's limits on one transaction (``/v1/txn``): 64 operations, a 512 KiB body
+#: (``txn_max_req_len``); and on one KV value.
 MAX_TXN_OPS = 64
 MAX_TXN_BYTES = 512 * 1024
 MAX_VALUE_BYTES = 512 * 1024
@@ -173,8 +176,6 @@ ACL_POLICY_FILE = "docs/acl-policy.hcl"
 _ANONYMOUS_ACCESSOR = "00000000-0000-0000-0000-000000000002"
 #: A key of a run: ``<key_prefix>/<run_id>/`` or below it, ``members/<node>`` or ``round/...``.
 _RUN_KEY = re.compile(r"^(?P<prefix>.+)/[^/]+/(?:(?:members|round)(?:/[^/]*)?)?$")
-#: The default service name of a run is ``torchelastic-<run_id>`` (settings.service).
-_DEFAULT_SERVICE_PREFIX = "torchelastic-"
 
 
 def _is_acl_denial(text: str) -> bool:
@@ -199,10 +200,10 @@ def _reusable_rule(res: str, access: str, on: str) -> tuple[str, str]:
         return (f'key_prefix "{prefix}/" {{ policy = "write" }}',
                 f'the keys of every other run under key_prefix "{prefix}"')
     if res == "service":
-        if on.startswith(_DEFAULT_SERVICE_PREFIX):
-            return (f'service_prefix "{_DEFAULT_SERVICE_PREFIX}" {{ policy = "write" }}',
+        if on.startswith(SERVICE_PREFIX):
+            return (f'service_prefix "{SERVICE_PREFIX}" {{ policy = "write" }}',
                     "the service of every other run (service_name defaults to "
-                    f"{_DEFAULT_SERVICE_PREFIX}<run_id>)")
+                    f"{SERVICE_PREFIX}<run_id>)")
         return (f'service "{on}" {{ policy = "write" }}',
                 "every run that uses this service_name")
     if res == "session":
@@ -237,9 +238,9 @@ def _acl_hint(text: str) -> str:
     if not m:
         return (
             f"{no_token}The token's policy needs the rules of {ACL_POLICY_FILE}: "
-            'key_prefix "torchelastic/", service_prefix "torchelastic-" and session_prefix '
-            '"<node-prefix>" (the prefix of the Consul node names of the job\'s agents), each '
-            '{ policy = "write" } (for the default key_prefix and service_name).'
+            f'key_prefix "{DEFAULT_KEY_PREFIX}/", service_prefix "{SERVICE_PREFIX}" and '
+            'session_prefix "<node-prefix>" (the prefix of the Consul node names of the job\'s '
+            'agents), each { policy = "write" } (for the default key_prefix and service_name).'
         )
     res, access, on = m.group("res"), m.group("access"), m.group("on")
     rule, covers = _reusable_rule(res, access, on)
@@ -737,7 +738,7 @@ class ConsulClient:
         return resp.json() is True
 
     def txn(self, ops: list[dict], *, deadline: float | None = None) -> QueryResult:
-        """Run up to 64 operations atomically.
+        """Run up to :data:`MAX_TXN_OPS` operations atomically.
 
         ``data`` is the list of result KV entries (``KVEntry``; None for a non-KV result). It is
         not aligned with ``ops``: Consul returns no result for ``delete*`` and

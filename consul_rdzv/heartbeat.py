@@ -25,15 +25,10 @@ from collections.abc import Callable
 
 from .client import ConsulClient
 from .errors import ConsulError, ConsulNotFound
+from .service import heartbeat_note
 from .settings import RendezvousSettings
 
 logger = logging.getLogger(__name__)
-
-
-def utc_now() -> str:
-    """The time of a heartbeat, in the check's output (``consul-rdzv status`` shows its age)."""
-    now = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
 
 
 class Heartbeat:
@@ -108,7 +103,7 @@ class Heartbeat:
             try:
                 # deadline=now: a single attempt; the next beat is the retry.
                 self.client.agent_check_update(self.check_id, "pass",
-                                               note=f"{self._note()} · heartbeat {utc_now()}",
+                                               note=heartbeat_note(self._note()),
                                                deadline=started, timeout=interval)
                 self.max_gap = max(self.max_gap, started - self.last_pass)
                 self.last_pass = started

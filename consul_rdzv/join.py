@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from . import runs
 from .client import BlockingIndex, ConsulClient, QueryResult, txn_kv
 from .errors import (
     ConsulError,
@@ -204,17 +205,15 @@ class Join:
             return
         if drain.incarnation not in ("", self.incarnation.id):
             with contextlib.suppress(ConsulError):
-                self.client.txn([txn_kv("delete-cas", self.keys.drain(self.node_id),
-                                        index=drain.modify_index)],
-                                deadline=self.op_deadline(deadline))
+                runs.withdraw_drain(self.client, self.keys, self.node_id, drain,
+                                    deadline=self.op_deadline(deadline))
                 logger.info("Node %s of run %s removed a drain request for an earlier process "
                             "of its node id (incarnation %s), which is gone.", self.node_id,
                             self.run_id, drain.incarnation[:8])
             return
         with contextlib.suppress(ConsulError):
-            self.client.txn([txn_kv("delete-cas", self.keys.drain(self.node_id),
-                                    index=drain.modify_index)],
-                            deadline=self.op_deadline(deadline))
+            runs.withdraw_drain(self.client, self.keys, self.node_id, drain,
+                                deadline=self.op_deadline(deadline))
         raise RendezvousClosedError(
             f"Node {self.node_id} was drained from run {self.run_id} by {drain.by or '?'}"
             f"{' (' + drain.reason + ')' if drain.reason else ''}: it leaves the run for good, "

@@ -19,13 +19,13 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .client import MAX_TXN_BYTES
 from .layout import RunState
 from .ranks import Candidate, NotReady, assign, explicit_prefix, select
 from .settings import RendezvousSettings
 
-#: Consul refuses a transaction body above 512 KiB (``txn_max_req_len``); the sealed round is
-#: one value inside one transaction, base64-encoded (4/3 of its bytes).
-MAX_TXN_BYTES = 512 * 1024
+# Consul refuses a transaction body above MAX_TXN_BYTES (512 KiB, ``txn_max_req_len``); the
+# sealed round is one value inside one transaction, base64-encoded (4/3 of its bytes).
 #: The transaction's bytes besides the round's ranks and hosts (keys, session id, the other
 #: round fields, JSON framing): generous, measured at ~700 with a 200-character key prefix.
 ROUND_OVERHEAD = 2048

@@ -36,13 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from . import service as svc
 from .agents import AgentLooks
 from .client import ConsulClient
 from .errors import (
@@ -57,35 +55,11 @@ from .errors import (
 from .heartbeat import Heartbeat
 from .keeper import Keeper
 from .liveness import Liveness, State
+from .service import DEREGISTER_CRITICAL_AFTER as DEREGISTER_CRITICAL_AFTER
+from .service import Incarnation
 from .settings import RendezvousSettings
 
 logger = logging.getLogger(__name__)
-
-#: Deregister a service whose check stayed critical this long (its node is long dead).
-DEREGISTER_CRITICAL_AFTER = "1m"
-
-
-@dataclass(frozen=True, order=True)
-class Incarnation:
-    """One process's claim on a node id. The newest ``(started, id)`` wins the node id."""
-
-    started: float
-    id: str
-
-    @classmethod
-    def new(cls) -> Incarnation:
-        return cls(time.time(), uuid.uuid4().hex)
-
-    @classmethod
-    def of(cls, meta: dict | None) -> Incarnation:
-        """The incarnation recorded in service meta or a member value (oldest if none)."""
-        meta = meta or {}
-        try:
-            started = float(meta.get("started", 0.0))
-        except (TypeError, ValueError):
-            started = 0.0
-        return cls(started, str(meta.get("incarnation", "")))
-
 
 class Registration:
     """Service, TTL check and session of one node, kept alive by two daemon threads.
@@ -127,8 +101,8 @@ class Registration:
         #: The service instance's Address: where this node is reached (its trainer store).
         self.address = address or host
         self.incarnation = incarnation
-        self.service_id = f"{settings.run_id}-{node_id}"
-        self.check_id = f"{self.service_id}:ttl:{incarnation.id[:8]}"
+        self.service_id = svc.service_id(settings.run_id, node_id)
+        self.check_id = svc.check_id(self.service_id, incarnation)
         self.liveness = Liveness(on_lost)
         self.agents = AgentLooks(client, settings, node_id=node_id, service_id=self.service_id,
                                  incarnation_id=incarnation.id)
@@ -136,8 +110,8 @@ class Registration:
                                    note=lambda: self._note, on_refused=self._pass_refused,
                                    on_silent=self._silent)
         self.keeper = Keeper(self)
-        self._meta: dict[str, str] = {"state": "joining"}
-        self._note = "joining"
+        self._meta: dict[str, str] = {"state": svc.JOINING}
+        self._note = svc.JOINING
         self._port: int | None = None
         self._published: dict | None = None
         self._suspect = False
@@ -213,34 +187,12 @@ class Registration:
         What an operator filters on in the Consul UI: the tags ``consul-rdzv``, ``run-<id>``,
         ``state-<state>`` and ``rank-<rank>``; the meta; the check's notes ("round 5 · rank 3/8 ·
         training"), which a re-registration syncs to the catalog at once (a TTL check's output
-        alone reaches the catalog only after the agent's check_update_interval, 5 min).
+        alone reaches the catalog only after the agent's check_update_interval, 5 min). The
+        formats are :mod:`consul_rdzv.service`'s.
         """
-        meta = {"run_id": self.settings.run_id, "node_id": self.node_id[:512],
-                "host": self.host[:512], "pid": str(os.getpid()),
-                "incarnation": self.incarnation.id, "started": f"{self.incarnation.started:.6f}",
-                "ttl": f"{self.settings.heartbeat_timeout:g}s", **self._meta}
-        meta.update({k: str(v) for k, v in self.settings.node_meta.items()})
-        tags = ["consul-rdzv", f"run-{self.settings.run_id}", f"state-{meta['state']}"]
-        if "rank" in self._meta:
-            tags.append(f"rank-{self._meta['rank']}")
-        definition = {
-            "ID": self.service_id,
-            "Name": self.settings.service,
-            "Address": self.address,
-            "Tags": tags,
-            "Meta": meta,
-            "Check": {
-                "CheckID": self.check_id,
-                "Name": f"consul-rdzv heartbeat of {self.node_id}",
-                "Notes": self._note,
-                "TTL": f"{self.settings.heartbeat_timeout:g}s",
-                "Status": "passing",
-                "DeregisterCriticalServiceAfter": DEREGISTER_CRITICAL_AFTER,
-            },
-        }
-        if self._port:
-            definition["Port"] = self._port
-        return definition
+        return svc.definition(self.settings, node_id=self.node_id, host=self.host,
+                              address=self.address, incarnation=self.incarnation,
+                              shown=self._meta, note=self._note, port=self._port)
 
     def ensure(self, deadline: float) -> str:
         """A live session bound to our passing check: the current one, or a new one.
@@ -272,7 +224,7 @@ class Registration:
             self._check_agents(deadline)
             self._suspect = False
             checked = True
-        self._meta, self._note, self._port = {"state": "joining"}, "joining", None
+        self._meta, self._note, self._port = {"state": svc.JOINING}, svc.JOINING, None
         if old is None or not self._check_still_registered(deadline, checked=checked):
             with self._register_lock:
                 if self.liveness.state is State.CLOSED:
@@ -337,8 +289,7 @@ class Registration:
             # Compare ids first: the meta's start time is rounded to the microsecond, so our
             # own registration (held by another agent behind a balancer) could look newer.
             if holder.id != self.incarnation.id and holder > self.incarnation:
-                meta = service.get("Meta") or {}
-                by = f"pid {meta.get('pid', '?')} on host {meta.get('host', '?')}"
+                by = svc.holder(service.get("Meta"))
                 error = self._replaced_error(by)
                 self.liveness.replaced(f"replaced by {by}", error)
                 raise error
@@ -447,7 +398,7 @@ class Registration:
             soon = min(deadline, time.monotonic() + self.settings.heartbeat_interval)
             try:
                 return self.client.session_create(
-                    name=f"consul-rdzv {self.settings.run_id} {self.node_id}"[:128],
+                    name=svc.session_name(self.settings.run_id, self.node_id),
                     service_checks=[self.check_id], node_checks=["serfHealth"],
                     behavior="delete", lock_delay="0s", deadline=deadline if looked else soon,
                 )

@@ -6,7 +6,9 @@ node and returns its rank, the world size and rank 0's trainer-store endpoint;
 the run for everyone; ``leave()`` takes this node out cleanly. The protocol is written down in
 docs/protocol.md; the KV layout in :mod:`consul_rdzv.layout`, the coordinator's decisions in
 :mod:`consul_rdzv.planning`, the node's service, check, session and heartbeat in
-:mod:`consul_rdzv.registration`.
+:mod:`consul_rdzv.registration`, one ``next_round()``'s work in :mod:`consul_rdzv.join`, the
+round a node trains in in :mod:`consul_rdzv.standing`, the operations on a whole run (close,
+drain, clean-up) in :mod:`consul_rdzv.runs`.
 
 How it fails, and what the caller must watch for:
 
@@ -35,7 +37,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from .client import MAX_TXN_OPS, ConsulClient, txn_kv
+from . import runs
+from .client import ConsulClient, txn_kv
 from .errors import (
     ConsulBadRequest,
     ConsulError,
@@ -56,13 +59,16 @@ from .planning import (
     round_bytes,
 )
 from .registration import Incarnation, Registration
+from .runs import OUTCOME_CLOSED, Closing
+from .runs import OUTCOME_FAILED as OUTCOME_FAILED
+from .runs import OUTCOME_FINISHED as OUTCOME_FINISHED
+from .service import NODE_ID_RULE, training_meta, training_note, valid_node_id
 from .settings import RendezvousSettings
 from .standing import Standing
 from .watch import RoundWatch, WatchedRound
 
 logger = logging.getLogger(__name__)
 
-_NODE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,160}$")
 _SEQ = itertools.count()
 #: Delay between a round's return and publishing its round/rank in the service meta ...
 META_DELAY = 0.5
@@ -72,12 +78,6 @@ META_DELAY = 0.5
 #: sharing one agent must not all re-register at once, or their heartbeats starve.
 META_SPREAD = 0.02
 META_SPREAD_MAX = 30.0
-#: How a run was closed (the ``outcome`` of its closed marker): its job finished (a node's work
-#: succeeded), failed (a node's workers failed past --max-restarts), or closed otherwise
-#: (``close()``, ``set_closed()``, an operator).
-OUTCOME_FINISHED = "finished"
-OUTCOME_FAILED = "failed"
-OUTCOME_CLOSED = "closed"
 
 
 def default_node_id() -> str:
@@ -102,11 +102,8 @@ class ConsulRendezvous:
         self.client = client or ConsulClient(retry_timeout=settings.consul_timeout)
         self.keys = Keys(settings.prefix)
         self.node_id = node_id or default_node_id()
-        if not _NODE_ID.match(self.node_id) or self.node_id in (".", ".."):  # see settings.py
-            raise ValueError(
-                f"node id {self.node_id!r} is invalid: use 1-160 characters of letters, digits, "
-                "'_', '.' or '-' (not '.' or '..')."
-            )
+        if not valid_node_id(self.node_id):
+            raise ValueError(f"node id {self.node_id!r} is invalid: use {NODE_ID_RULE}.")
         self.host = host or socket.gethostname()
         _check_round_fits(settings, self.node_id, self.host)
         self.incarnation = Incarnation.new()
@@ -214,11 +211,9 @@ class ConsulRendezvous:
         spread = random.uniform(0.0, min(META_SPREAD_MAX, result.world_size * META_SPREAD))
         store = result.store or {}
         self.registration.publish(
-            {"state": "training", "round": str(result.round), "rank": str(result.rank),
-             "world_size": str(result.world_size),
-             "store": f"{store.get('host', '')}:{store.get('port', '')}"},
+            training_meta(result.round, result.rank, result.world_size, store),
             delay=META_DELAY + spread,
-            note=f"round {result.round} · rank {result.rank}/{result.world_size} · training",
+            note=training_note(result.round, result.rank, result.world_size),
             port=store.get("port") if result.rank == 0 and isinstance(store.get("port"), int)
             else None)
         self._start_watch(result)
@@ -306,32 +301,23 @@ class ConsulRendezvous:
     def _close(self, reason: str, seal_id: str | None, timeout: float | None,
                outcome: str) -> bool:
         budget = timeout or self.settings.close_timeout
-        deadline = time.monotonic() + budget
         try:
-            while True:
-                res = self.client.kv_get(self.keys.round, consistent=True, deadline=deadline)
-                current = Round.decode(res.data) if res.data else Round()
-                if current.closed:
-                    return True
-                if seal_id is not None and current.seal_id != seal_id:
-                    logger.info("Node %s does not close run %s: its round is no longer the "
-                                "current one (round %d is).", self.node_id, self.run_id,
-                                current.round)
-                    return False
-                current.closed = {"reason": reason, "at": time.time(), "by": self.node_id,
-                                  "outcome": outcome}
-                cas = res.data.modify_index if res.data else 0
-                if self.client.kv_put(self.keys.round, current.encode(), cas=cas,
-                                      deadline=deadline):
-                    logger.info("Node %s closed run %s (%s).", self.node_id, self.run_id, reason)
-                    return True
-                if time.monotonic() > deadline:
-                    raise RendezvousConnectionError(
-                        f"Could not close run {self.run_id} within {budget:g}s: the round key "
-                        "kept changing."
-                    )
+            done = runs.close(self.client, self.keys, reason=reason, by=self.node_id,
+                              outcome=outcome, seal_id=seal_id,
+                              deadline=time.monotonic() + budget)
         except ConsulError as exc:
             raise self._connection_error("close it", exc) from exc
+        if done.result is Closing.MOVED_ON:
+            logger.info("Node %s does not close run %s: its round is no longer the current one "
+                        "(round %d is).", self.node_id, self.run_id, done.round.round)
+        elif done.result is Closing.CONTENDED:
+            raise RendezvousConnectionError(
+                f"Could not close run {self.run_id} within {budget:g}s: the round key kept "
+                "changing."
+            )
+        elif done.result is Closing.CLOSED:
+            logger.info("Node %s closed run %s (%s).", self.node_id, self.run_id, reason)
+        return done.closed
 
     def leave(self, *, timeout: float | None = None) -> bool:
         """Leave cleanly: release keys, deregister the service, destroy the session.
@@ -397,67 +383,15 @@ class ConsulRendezvous:
     # ------------------------------------------------------------------ what a run leaves behind
 
     def _clean_up_run(self, deadline: float) -> None:
-        """Leaving as the run's last member: remove what the run left in Consul.
-
-        Drain requests (for processes that are gone) and the round key are deleted, each at
-        the index read (``delete-cas``), so a node that joins meanwhile at worst finds no round
-        and starts from round 1. A *closed* run's marker is kept instead, shrunk to the closed
-        record, for ``closed_retention``: it is locked by a session of that TTL (no checks), so
-        Consul deletes it by itself one to two TTLs later, and until then a straggler of the
-        job that ended is refused (:meth:`_reopen`). Member and leader keys go with their
-        sessions; keys that are not consul-rdzv's are left alone.
-        """
-        if self.client.kv_keys(self.keys.members, deadline=deadline):
-            return
-        res = self.client.kv_list(self.keys.prefix + "/", deadline=deadline)
-        ops: list[dict] = []  # the round's first: they must share one transaction
-        drains: list[dict] = []
-        retained: Round | None = None
-        for entry in res.data:
-            if entry.key.startswith(self.keys.members) and not entry.key.endswith("/"):
-                return  # a node joined meanwhile
-            if entry.key == self.keys.leader and entry.session:
-                return  # a coordinator is at work
-            if entry.key.startswith(self.keys.drains) and not entry.key.endswith("/"):
-                drains.append(txn_kv("delete-cas", entry.key, index=entry.modify_index))
-            elif entry.key == self.keys.round:
-                current = Round.decode(entry)
-                if current.closed and entry.session:
-                    continue  # kept already (a node that left before us)
-                if current.closed and self.settings.closed_retention:
-                    retained = Round(round=current.round, seal_id=current.seal_id,
-                                     closed=current.closed)
-                    ops.append(txn_kv("check-index", entry.key, index=entry.modify_index))
-                else:
-                    ops.append(txn_kv("delete-cas", entry.key, index=entry.modify_index))
-        session = None
-        if retained is not None:
-            session = self.client.session_create(
-                name=f"consul-rdzv {self.run_id} ended"[:128], node_checks=[],
-                behavior="delete", lock_delay="0s",
-                ttl=f"{self.settings.closed_retention:.0f}s", deadline=deadline)
-            ops.append(txn_kv("lock", self.keys.round, value=retained.encode(),
-                              session=session))
-        ops += drains
-        try:
-            for chunk in range(0, len(ops), MAX_TXN_OPS):
-                with contextlib.suppress(ConsulTxnConflict):
-                    self.client.txn(ops[chunk:chunk + MAX_TXN_OPS], deadline=deadline)
-        finally:
-            if session is not None and not self._holds(self.keys.round, session, deadline):
-                with contextlib.suppress(ConsulError):
-                    self.client.session_destroy(session, deadline=deadline)
-        if ops:
+        """Leaving as the run's last member: remove what the run left in Consul, keeping a
+        closed run's marker for ``closed_retention`` (:func:`consul_rdzv.runs.clean_up`)."""
+        done = runs.clean_up(self.client, self.keys, run_id=self.run_id,
+                             closed_retention=self.settings.closed_retention, deadline=deadline)
+        if done.removed:
             logger.debug("Node %s removed what run %s left in Consul as its last member%s.",
                          self.node_id, self.run_id,
                          f" (its closed marker stays for {self.settings.closed_retention:g}s)"
-                         if retained is not None else "")
-
-    def _holds(self, key: str, session: str, deadline: float) -> bool:
-        with contextlib.suppress(ConsulError):
-            entry = self.client.kv_get(key, deadline=deadline).data
-            return entry is not None and entry.session == session
-        return False
+                         if done.kept_marker else "")
 
     def _drop_member(self, *, leader: bool = False) -> None:
         session = self.registration.session

@@ -13,18 +13,17 @@ from dataclasses import dataclass, field, fields, replace
 
 from .config import parse_bool
 from .ranks import POLICIES
+from .service import DEFAULT_KEY_PREFIX, MAX_META, MAX_META_VALUE, RESERVED_META
+from .service import service_name as default_service_name
 
 logger = logging.getLogger(__name__)
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_.\-/]{1,200}$")
 _META_KEY = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-#: Service meta keys consul-rdzv writes itself (registration.py, rendezvous.py): a node_meta
-#: item may not replace one (an "incarnation" would defeat the same-node-id takeover).
-RESERVED_META = frozenset({"run_id", "node_id", "host", "pid", "incarnation", "started", "ttl",
-                           "state", "round", "rank", "world_size", "store"})
-#: Consul allows 64 meta pairs per service instance; consul-rdzv uses the reserved ones.
-MAX_NODE_META = 64 - len(RESERVED_META)
+#: Consul allows 64 meta pairs per service instance; consul-rdzv uses the reserved ones
+#: (service.RESERVED_META, which a node_meta item may not replace).
+MAX_NODE_META = MAX_META - len(RESERVED_META)
 
 #: The check TTL: above the longest stall of check passes measured during a Consul leader
 #: election with Consul's default Raft timings (docs/deployment.md, "Choosing the timeouts").
@@ -64,7 +63,7 @@ class RendezvousSettings:
     run_id: str
     min_nodes: int = 1
     max_nodes: int = 1
-    key_prefix: str = "torchelastic"
+    key_prefix: str = DEFAULT_KEY_PREFIX
     service_name: str | None = None
     join_timeout: float = 900.0
     last_call_timeout: float = 30.0
@@ -174,7 +173,7 @@ class RendezvousSettings:
         if len(self.node_meta) > MAX_NODE_META:
             raise ValueError(
                 f"node_meta has {len(self.node_meta)} items; at most {MAX_NODE_META} fit (Consul "
-                f"allows 64 meta pairs per service instance, consul-rdzv uses "
+                f"allows {MAX_META} meta pairs per service instance, consul-rdzv uses "
                 f"{len(RESERVED_META)})."
             )
         for key, value in self.node_meta.items():
@@ -183,15 +182,15 @@ class RendezvousSettings:
                     f"node meta key {key!r} is reserved: consul-rdzv writes it itself "
                     f"({', '.join(sorted(RESERVED_META))}); choose another key name."
                 )
-            if not _META_KEY.match(str(key)) or len(str(value)) > 512:
+            if not _META_KEY.match(str(key)) or len(str(value)) > MAX_META_VALUE:
                 raise ValueError(
                     f"node meta {key!r}={value!r} is invalid: keys are 1-128 chars of "
-                    "[A-Za-z0-9_-], values at most 512 chars."
+                    f"[A-Za-z0-9_-], values at most {MAX_META_VALUE} chars."
                 )
 
     @property
     def service(self) -> str:
-        return self.service_name or f"torchelastic-{self.run_id}"
+        return self.service_name or default_service_name(self.run_id)
 
     @property
     def prefix(self) -> str:

@@ -74,6 +74,7 @@ from .rendezvous import (
     ConsulRendezvous,
     RoundResult,
 )
+from .service import DEFAULT_KEY_PREFIX
 from .settings import RendezvousSettings, conf_bool, settings_from_conf
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,9 @@ EAGER_REGISTER_TIMEOUT = 1.0
 SHUTDOWN_AFTER_CONSUL_FAILURE = 3.0
 #: How long the leave of an agent that exits without ``shutdown()`` (a signal) may take.
 LEAVE_AT_EXIT = 3.0
+#: The prefix of a round's keys in its trainer store: ``torchelastic/<run_id>/<round>`` (whatever
+#: the key_prefix setting, which names the Consul KV prefix).
+STORE_PREFIX = DEFAULT_KEY_PREFIX
 #: Keys of the check-in under the round's store prefix.
 CHECKIN = "consul-rdzv/checkin"
 
@@ -331,8 +335,8 @@ class ConsulRendezvousHandler(RendezvousHandler):
                 except (RuntimeError, OSError) as exc:
                     raise _StoreUnreachable(exc) from exc
                 client.set_timeout(timeout)
-            store = box["store"] = PrefixStore(f"torchelastic/{result.run_id}/{result.round}",
-                                               client)
+            store = box["store"] = PrefixStore(
+                f"{STORE_PREFIX}/{result.run_id}/{result.round}", client)
             if result.world_size > 1:
                 done = f"{CHECKIN}/done"
                 store.set(f"{CHECKIN}/{result.rank}", self._rdzv.node_id)

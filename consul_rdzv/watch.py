@@ -58,6 +58,7 @@ from .client import BlockingIndex, ConsulClient, KVEntry, QueryResult, Step
 from .errors import ConsulError, RendezvousStateError
 from .layout import Keys, Member, Round
 from .planning import MemberView, count_waiting, round_broken
+from .runs import OUTCOME_FINISHED
 from .settings import RendezvousSettings
 
 logger = logging.getLogger(__name__)
@@ -306,7 +307,7 @@ class RoundWatch:
             except RendezvousStateError:
                 return None
             closed = current.closed or {}
-            if current.seal_id == w.seal_id and closed.get("outcome") == "finished":
+            if current.seal_id == w.seal_id and closed.get("outcome") == OUTCOME_FINISHED:
                 return closed
             return None
         return None

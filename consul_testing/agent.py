@@ -163,9 +163,31 @@ class ConsulAgent(DevAgent):
                 time.sleep(0.05)
         self.start(timeout)
 
-    def freeze(self) -> None:
-        """SIGSTOP the agent: it stays reachable at TCP level but answers nothing."""
+    def freeze(self, timeout: float = 5.0) -> None:
+        """SIGSTOP the agent: it stays reachable at TCP level but answers nothing. Returns once
+        every thread of it is stopped (``kill`` returns before the signal has taken effect: on
+        a loaded machine the agent could still answer a request sent right after)."""
         os.killpg(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while not _stopped(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def thaw(self) -> None:
         os.killpg(self.proc.pid, signal.SIGCONT)
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` is stopped (state T in /proc), or it is gone."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True

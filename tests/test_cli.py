@@ -25,6 +25,7 @@ from consul_rdzv.cli import build_parser, fmt_duration, heartbeat_time, parse_du
 from consul_rdzv.errors import RendezvousClosedError
 from consul_rdzv.layout import Round
 from consul_rdzv.rendezvous import ConsulRendezvous
+from consul_rdzv.runs import Verdict, gc_verdict
 from consul_rdzv.testing import free_port
 
 pytestmark = pytest.mark.timeout(90)
@@ -99,6 +100,21 @@ def test_helpers():
         ["0.4s", "42s", "3m05s", "2h10m", "2d7h"]
     assert [parse_duration(t) for t in ("90", "30s", "10m", "2h", "1d")] == \
         [90, 30, 600, 7200, 86400]
+
+
+def test_gc_verdicts():
+    def verdict(*, invalid=False, nodes=0, closed=False, passing=0, idle=None, older_than=600):
+        return gc_verdict(invalid=invalid, nodes=nodes, closed=closed, passing=passing,
+                          idle=idle, older_than=older_than)
+
+    assert verdict(invalid=True, closed=True, idle=1e9) is Verdict.INVALID
+    assert verdict(nodes=1, closed=True, idle=1e9) is Verdict.LIVE
+    assert verdict(closed=True, passing=2, idle=0) is Verdict.CLOSED
+    assert verdict(passing=1, idle=1e9) is Verdict.STARTING
+    assert verdict(idle=599) is Verdict.RECENT
+    assert verdict(idle=600) is verdict() is Verdict.ABANDONED
+    assert verdict(idle=0, older_than=0) is Verdict.ABANDONED
+    assert {v for v in Verdict if v.delete} == {Verdict.CLOSED, Verdict.ABANDONED}
 
 
 def test_unreachable_consul_is_one_line():
@@ -345,8 +361,12 @@ def test_close_stops_future_rounds_and_refuses_a_missing_run(agent, run, prefix)
     assert "stops future rounds only" in proc.stdout and "keep training" in proc.stdout
     with pytest.raises(RendezvousClosedError, match="maintenance window"):
         future.result(timeout=15)
-    assert json.loads(cli("status", run.run_id, "--key-prefix", prefix,
-                          "--json").stdout)["state"] == "closed"
+    status = json.loads(cli("status", run.run_id, "--key-prefix", prefix, "--json").stdout)
+    assert status["state"] == "closed"
+    # the closed marker a node writes (runs.close): an operator's close has outcome "closed"
+    closed = status["closed"]
+    assert (closed["reason"], closed["outcome"]) == ("maintenance window", "closed"), closed
+    assert closed["by"].startswith("consul-rdzv close on ")
 
     admin = agent.client()
     missing = cli("close", "typo-job", "--key-prefix", prefix)

@@ -19,7 +19,8 @@ PACKAGE = ROOT / "consul_rdzv"
 def test_all_lists_exactly_the_public_names():
     public = {n for n in vars(consul_rdzv) if not n.startswith("_")} | {"__version__"}
     modules = {"client", "cli", "config", "errors", "examples", "layout", "planning", "ranks",
-               "registration", "rendezvous", "settings", "testing", "torch", "watch"}
+               "registration", "rendezvous", "runs", "service", "settings", "testing",
+               "torch", "watch"}
     assert set(consul_rdzv.__all__) == public - modules
     assert sorted(consul_rdzv.__all__) == consul_rdzv.__all__
 
@@ -60,7 +61,7 @@ def test_the_example_script_is_not_imported_by_the_package():
     for control in ("from .examples import train", "from .examples.train import main",
                     "import consul_rdzv.examples.train",
                     "def f():\n    from .examples import train\n"):
-        assert train in imported_modules(PACKAGE / "cli.py", control), control
+        assert train in imported_modules(PACKAGE / "runs.py", control), control
     for path in PACKAGE.rglob("*.py"):
         assert train not in imported_modules(path), path
 
