@@ -17,11 +17,14 @@ No state is shared between threads here: each look builds what it needs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from .client import ConsulClient
 from .errors import ConsulConfigError, ConsulError
+from .liveness import Liveness
 from .service import Incarnation
 from .settings import RendezvousSettings
 
@@ -36,12 +39,40 @@ class AgentLooks:
     """Looks at the agent(s) behind one node's endpoint (see the module docstring)."""
 
     def __init__(self, client: ConsulClient, settings: RendezvousSettings, *, node_id: str,
-                 service_id: str, incarnation_id: str) -> None:
+                 service_id: str, incarnation_id: str, liveness: Liveness,
+                 stop: Callable[[], None]) -> None:
         self.client = client
         self.settings = settings
         self.node_id = node_id
         self.service_id = service_id
         self.incarnation_id = incarnation_id
+        self.liveness = liveness
+        self._stop = stop
+
+    def check(self, deadline: float) -> None:
+        """Look (:meth:`spread`, within one heartbeat interval); on evidence of several agents,
+        stop for good (:meth:`refuse`) and raise its error."""
+        detail = self.spread(min(deadline, time.monotonic() + self.settings.heartbeat_interval))
+        if detail is not None:
+            raise self.refuse(detail)
+
+    def refuse(self, detail: str) -> ConsulConfigError:
+        """Stop for good: no re-registration through an endpoint that spreads the node over
+        agents. The node's standing becomes REFUSED (its round ends), its threads stop (the
+        check lapses where it lives) and its session is destroyed (its keys go at once, so the
+        others re-form without waiting for a TTL). Returns the error to raise."""
+        error = self.error(detail)
+        session = self.liveness.session
+        if not self.liveness.refuse(error):
+            earlier = self.liveness.error
+            return earlier if isinstance(earlier, ConsulConfigError) else error
+        logger.error("Node %s of run %s stops: %s", self.node_id, self.settings.run_id, error)
+        self._stop()
+        if session is not None:
+            with contextlib.suppress(ConsulError):
+                self.client.session_destroy(
+                    session, deadline=time.monotonic() + self.settings.heartbeat_interval)
+        return error
 
     def holds_us(self, client: ConsulClient | None = None) -> bool | None:
         """Does the agent that answers ``client`` (default: the node's own) hold this process's

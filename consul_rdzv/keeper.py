@@ -5,7 +5,10 @@ the check-pass thread, each only when it is due.
   whether it still exists) while the node joins and has waited ``heartbeat_timeout``, and after
   a round it trained in is over (no watch covers it then); never before the first round;
 * the **meta publish**: the round, rank and state shown in the service instance (a service
-  registration), some time after the round returned;
+  registration), some time after the round returned; never while the node is out of its round,
+  nor after a silence (a process frozen, then thawed), nor unless its agent still holds this
+  process's registration: a newer process with the node id may have registered since, and a
+  re-registration would take the service back from it;
 * the **gossip look** while the node trains: its agent's own view of the cluster
   (``/v1/agent/members``, answered by the agent alone); an agent alone in it for
   ``consul_timeout`` is cut off from the cluster, whose servers then declare the node dead (its
@@ -15,8 +18,9 @@ the check-pass thread, each only when it is due.
   agents (:mod:`consul_rdzv.agents`)?
 
 Fields shared with other threads (each written by one side, a plain store read by the other):
-``probe_from`` and ``gossip_next`` (the caller's thread turns them on and off), ``meta_due``
-(set by ``publish()``), ``alone_since`` (this thread only), the wake and stop events.
+``probe_from`` and ``gossip_next`` (the caller's thread turns them on and off), ``shown`` and
+``meta_due`` (set by ``publish()``), ``published`` (this thread, and ``ensure()`` while nothing
+is published), ``alone_since`` (this thread only), the wake and stop events.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import ConsulError, ConsulNotFound, ConsulSessionInvalid
+from .liveness import State
+from .service import JOINING as JOINING_STATE
 
 if TYPE_CHECKING:
     from .registration import Registration
@@ -35,6 +42,20 @@ logger = logging.getLogger(__name__)
 
 #: While a node trains, it looks at its agent's gossip this many times per consul_timeout.
 GOSSIP_LOOKS = 4
+
+
+@dataclass(frozen=True)
+class Shown:
+    """What a node's service instance shows an operator: the service meta it adds, the check's
+    note, the port (rank 0's trainer store)."""
+
+    meta: dict[str, str] = field(default_factory=dict)
+    note: str = ""
+    port: int | None = None
+
+
+#: What a node shows while it joins.
+JOINING = Shown({"state": JOINING_STATE}, JOINING_STATE, None)
 
 
 def cut_off(members: list[dict]) -> bool:
@@ -56,7 +77,9 @@ class Keeper:
         self.gossip_period = max(1.0, settings.consul_timeout / GOSSIP_LOOKS)
         #: From this monotonic time on, probe the session every interval (None: never).
         self.probe_from: float | None = None
-        #: When to publish the service meta next (None: nothing to publish).
+        #: What the instance should show, what it was last registered with, when to publish.
+        self.shown = JOINING
+        self.published: Shown | None = None
         self.meta_due: float | None = None
         #: When to look at the agent's gossip next (None: off), and since when it is alone.
         self.gossip_next: float | None = None
@@ -82,7 +105,8 @@ class Keeper:
         self.probe_from = when
         self._wake.set()
 
-    def publish_in(self, delay: float) -> None:
+    def publish(self, shown: Shown, delay: float) -> None:
+        self.shown = shown
         self.meta_due = time.monotonic() + delay
         self._wake.set()
 
@@ -113,13 +137,34 @@ class Keeper:
                 self._probe()
             if self.meta_due is not None and time.monotonic() >= self.meta_due:
                 self.meta_due = None
-                self.reg.publish_now()
+                self._publish()
             gossip_at = self.gossip_next
             if gossip_at is not None and time.monotonic() >= gossip_at:
                 self.gossip_next = time.monotonic() + self.gossip_period
                 self._look_at_gossip()
             # a pass refused with 404 since: does the endpoint reach several agents?
             self.reg.recheck_agents(time.monotonic() + self.interval)
+
+    def _publish(self) -> None:
+        reg = self.reg
+        shown = self.shown
+        now = reg.liveness.now
+        if (shown == self.published or now.session is None or now.out
+                or reg.heartbeat.seconds_since_pass > reg.settings.heartbeat_timeout):
+            return
+        with reg.register_lock:
+            if reg.liveness.state is State.CLOSED:
+                return
+            if reg.agents.holds_us() is not True:
+                logger.debug("Node %s does not publish its service meta: its agent does not "
+                             "hold its registration now.", reg.node_id)
+                return
+            try:
+                reg.client.agent_service_register(reg.definition(),
+                                                  deadline=time.monotonic() + self.interval)
+                self.published = shown
+            except ConsulError as exc:
+                logger.debug("Node %s could not publish its service meta: %s", reg.node_id, exc)
 
     def _probe(self) -> None:
         now = self.reg.liveness.now

@@ -53,7 +53,7 @@ from .errors import (
     RendezvousStateError,
 )
 from .heartbeat import Heartbeat
-from .keeper import Keeper
+from .keeper import JOINING, Keeper, Shown
 from .liveness import Liveness, State
 from .service import DEREGISTER_CRITICAL_AFTER as DEREGISTER_CRITICAL_AFTER
 from .service import Incarnation
@@ -78,15 +78,16 @@ class Registration:
     ``heartbeat.max_gap``       passing); plain floats read anywhere
     ``keeper.*`` schedule       set by the caller's thread (probe_session_from, watch_gossip,
                                 publish), read by the keep thread
-    ``_meta``, ``_note``,       the caller's thread (publish(), ensure()); read by the pass
-    ``_port``                   thread (the note) and the keep thread (publish_now())
-    ``_published``              the keep thread (publish_now()) and ensure(), never at once:
+    ``keeper.shown``            what the instance should show (a frozen :class:`Shown`): set by
+                                the caller's thread (publish(), ensure()); read by the pass
+                                thread (the note) and the keep thread (its publish)
+    ``keeper.published``        the keep thread (its publish) and ensure(), never at once:
                                 ensure() resets it only while no round is published
     ``_suspect``                set by the pass thread (a 404), cleared by ensure() or the keep
                                 thread under ``_ensure_lock``
     ``_ensure_lock``            held by ensure(); the keep thread's agent look takes it without
                                 blocking (no look while this process registers)
-    ``_register_lock``          around every service registration and close()'s decision to
+    ``register_lock``           around every service registration and close()'s decision to
                                 leave: no registration lands after the deregistration
     ==========================  ===============================================================
     """
@@ -105,19 +106,17 @@ class Registration:
         self.check_id = svc.check_id(self.service_id, incarnation)
         self.liveness = Liveness(on_lost)
         self.agents = AgentLooks(client, settings, node_id=node_id, service_id=self.service_id,
-                                 incarnation_id=incarnation.id)
+                                 incarnation_id=incarnation.id, liveness=self.liveness,
+                                 stop=self._stop_threads)
         self.heartbeat = Heartbeat(client, settings, check_id=self.check_id, node_id=node_id,
-                                   note=lambda: self._note, on_refused=self._pass_refused,
+                                   note=lambda: self.keeper.shown.note,
+                                   on_refused=self._pass_refused,
                                    on_silent=self._silent)
         self.keeper = Keeper(self)
-        self._meta: dict[str, str] = {"state": svc.JOINING}
-        self._note = svc.JOINING
-        self._port: int | None = None
-        self._published: dict | None = None
         self._suspect = False
         self._first_looked = False
         self._ensure_lock = threading.Lock()
-        self._register_lock = threading.Lock()
+        self.register_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Registration(service_id={self.service_id!r}, {self.liveness!r})"
@@ -192,7 +191,8 @@ class Registration:
         """
         return svc.definition(self.settings, node_id=self.node_id, host=self.host,
                               address=self.address, incarnation=self.incarnation,
-                              shown=self._meta, note=self._note, port=self._port)
+                              shown=dict(self.keeper.shown.meta), note=self.keeper.shown.note,
+                              port=self.keeper.shown.port)
 
     def ensure(self, deadline: float) -> str:
         """A live session bound to our passing check: the current one, or a new one.
@@ -224,13 +224,13 @@ class Registration:
             self._check_agents(deadline)
             self._suspect = False
             checked = True
-        self._meta, self._note, self._port = {"state": svc.JOINING}, svc.JOINING, None
+        self.keeper.shown = JOINING
         if old is None or not self._check_still_registered(deadline, checked=checked):
-            with self._register_lock:
+            with self.register_lock:
                 if self.liveness.state is State.CLOSED:
                     raise self._left_error()
                 self.client.agent_service_register(self.definition(), deadline=deadline)
-            self._published = self._shown()
+            self.keeper.published = self.keeper.shown
             self.heartbeat.passed_now()  # registered passing
         # Pass the check from now on: a session create is a server RPC, and a slow server must
         # not let the fresh check lapse before the session binds to it.
@@ -256,7 +256,7 @@ class Registration:
             detail = self.agents.first_look(
                 min(deadline, time.monotonic() + self.settings.heartbeat_interval))
             if detail is not None:
-                raise self._refuse(detail)
+                raise self.agents.refuse(detail)
         if old is not None:
             # If the old session is in fact alive (our key was deleted by hand: a spurious
             # loss), it would keep holding the leader key or our member key: end it.
@@ -339,13 +339,10 @@ class Registration:
 
     def _check_agents(self, deadline: float) -> None:
         """Raise :class:`ConsulConfigError` if the endpoint reaches several Consul agents
-        (:mod:`consul_rdzv.agents`). Never runs while this process registers its service
+        (:meth:`AgentLooks.check`). Never runs while this process registers its service
         (``_ensure_lock``): a registration landing between two looks would pass for a second
         agent."""
-        deadline = min(deadline, time.monotonic() + self.settings.heartbeat_interval)
-        detail = self.agents.spread(deadline)
-        if detail is not None:
-            raise self._refuse(detail)
+        self.agents.check(deadline)
 
     def recheck_agents(self, deadline: float) -> None:
         """The keep thread: a pass answered 404 after we registered (ensure() looks itself while
@@ -361,73 +358,10 @@ class Registration:
         finally:
             self._ensure_lock.release()
 
-    def _refuse(self, detail: str) -> ConsulConfigError:
-        """Stop for good: no re-registration through an endpoint that spreads us over agents.
-
-        Destroys the session (our keys go at once, so the others re-form without waiting for a
-        TTL) and stops passing the check (it lapses where it lives).
-        """
-        error = self.agents.error(detail)
-        session = self.liveness.session
-        if not self.liveness.refuse(error):
-            earlier = self.liveness.error
-            return earlier if isinstance(earlier, ConsulConfigError) else error
-        logger.error("Node %s of run %s stops: %s", self.node_id, self.settings.run_id, error)
-        self._stop_threads()
-        if session is not None:
-            with contextlib.suppress(ConsulError):
-                self.client.session_destroy(
-                    session, deadline=time.monotonic() + self.settings.heartbeat_interval)
-        return error
-
     def _create_session(self, deadline: float) -> str:
-        """Create our session bound to the TTL check.
-
-        Consul refuses to bind a session to a critical check. The check was registered passing,
-        but on a slow agent its TTL can run out before the session request is served, so pass
-        it and ask again.
-
-        Consul also answers "Missing check ... registration" (retried) until our check reached
-        the catalog, and for good when the request reached an agent that does not hold the
-        check (an endpoint that reaches several agents): after one interval of retries, look
-        into that (:meth:`_check_agents`), then retry until ``deadline`` as before.
-        """
-        looked = False
-        critical = 0
-        while True:
-            soon = min(deadline, time.monotonic() + self.settings.heartbeat_interval)
-            try:
-                return self.client.session_create(
-                    name=svc.session_name(self.settings.run_id, self.node_id),
-                    service_checks=[self.check_id], node_checks=["serfHealth"],
-                    behavior="delete", lock_delay="0s", deadline=deadline if looked else soon,
-                )
-            except ConsulBadRequest as exc:
-                if "critical state" not in str(exc):
-                    raise
-                if "serfHealth" in str(exc):
-                    # This host's agent is not (yet) a healthy member of the cluster: it has
-                    # just (re)started, or it is cut off. Transient: wait for it, within the
-                    # deadline (the session binds to serfHealth so that a dead host's nodes go).
-                    if time.monotonic() >= deadline:
-                        raise
-                    logger.info("Node %s: its Consul agent is not a healthy cluster member "
-                                "yet (serfHealth critical); creating its session again in 1s.",
-                                self.node_id)
-                    time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-                    continue
-                critical += 1
-                if critical == 3:
-                    raise
-                logger.warning("Node %s: its check went critical before its session was "
-                               "created; passing it and trying again.", self.node_id)
-                self.client.agent_check_update(self.check_id, "pass", deadline=deadline)
-            except ConsulUnavailableError as exc:
-                if looked or time.monotonic() >= deadline:
-                    raise
-                looked = True
-                if "Missing check" in str(exc):
-                    self._check_agents(deadline)
+        return create_session(self.client, self.settings, node_id=self.node_id,
+                              check_id=self.check_id, check_agents=self._check_agents,
+                              deadline=deadline)
 
     # ------------------------------------------------------------------ what an operator sees
 
@@ -435,42 +369,7 @@ class Registration:
                 port: int | None = None) -> None:
         """Show ``meta`` (and the check ``note``, and ``port``: the trainer store this node
         hosts, if any) in the service instance ``delay`` seconds from now (keep thread)."""
-        self._meta = dict(meta)
-        self._note = note
-        self._port = port
-        self.keeper.publish_in(delay)
-
-    def _shown(self) -> dict:
-        return {"meta": dict(self._meta), "note": self._note, "port": self._port}
-
-    def publish_now(self) -> None:
-        """The keep thread: register the service again with what publish() asked to show."""
-        shown = self._shown()
-        now = self.liveness.now
-        # Never while lost, nor after a silence (a process frozen, then thawed): if a newer
-        # process took our node id, re-registering our service would remove its check and
-        # invalidate its session.
-        if (shown == self._published or now.session is None or now.out
-                or self.heartbeat.seconds_since_pass > self.settings.heartbeat_timeout):
-            return
-        with self._register_lock:
-            if self.liveness.state is State.CLOSED:
-                return
-            # The agent must still hold *our* registration (one agent-local lookup): a newer
-            # process with our node id may have registered since (while this one was frozen
-            # for a moment), and a re-registration would take the service back from it.
-            if self.agents.holds_us() is not True:
-                logger.debug("Node %s does not publish its service meta: its agent does not "
-                             "hold its registration now.", self.node_id)
-                return
-            try:
-                self.client.agent_service_register(
-                    self.definition(),
-                    deadline=time.monotonic() + self.settings.heartbeat_interval)
-                self._published = shown
-            except ConsulError as exc:
-                logger.debug("Node %s could not publish its service meta: %s", self.node_id,
-                             exc)
+        self.keeper.publish(Shown(dict(meta), note, port), delay)
 
     # ------------------------------------------------------------------ the pass thread's news
 
@@ -495,7 +394,7 @@ class Registration:
 
         Returns False if a step failed (logged).
         """
-        with self._register_lock:  # a publish in flight ends first
+        with self.register_lock:  # a publish in flight ends first
             before = self.liveness.now
             self.liveness.close()
         self._stop_threads()
@@ -534,3 +433,55 @@ class Registration:
     def _stop_threads(self) -> None:
         self.heartbeat.stop()
         self.keeper.stop()
+
+
+def create_session(client: ConsulClient, settings: RendezvousSettings, *, node_id: str,
+                   check_id: str, check_agents: Callable[[float], None],
+                   deadline: float) -> str:
+    """Create a node's session bound to its TTL check (and its agent's serfHealth).
+
+    Consul refuses to bind a session to a critical check. The check was registered passing,
+    but on a slow agent its TTL can run out before the session request is served, so pass
+    it and ask again.
+
+    Consul also answers "Missing check ... registration" (retried) until our check reached
+    the catalog, and for good when the request reached an agent that does not hold the
+    check (an endpoint that reaches several agents): after one interval of retries, look
+    into that (``check_agents``), then retry until ``deadline`` as before.
+    """
+    looked = False
+    critical = 0
+    while True:
+        soon = min(deadline, time.monotonic() + settings.heartbeat_interval)
+        try:
+            return client.session_create(
+                name=svc.session_name(settings.run_id, node_id),
+                service_checks=[check_id], node_checks=["serfHealth"],
+                behavior="delete", lock_delay="0s", deadline=deadline if looked else soon,
+            )
+        except ConsulBadRequest as exc:
+            if "critical state" not in str(exc):
+                raise
+            if "serfHealth" in str(exc):
+                # This host's agent is not (yet) a healthy member of the cluster: it has
+                # just (re)started, or it is cut off. Transient: wait for it, within the
+                # deadline (the session binds to serfHealth so that a dead host's nodes go).
+                if time.monotonic() >= deadline:
+                    raise
+                logger.info("Node %s: its Consul agent is not a healthy cluster member "
+                            "yet (serfHealth critical); creating its session again in 1s.",
+                            node_id)
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                continue
+            critical += 1
+            if critical == 3:
+                raise
+            logger.warning("Node %s: its check went critical before its session was "
+                           "created; passing it and trying again.", node_id)
+            client.agent_check_update(check_id, "pass", deadline=deadline)
+        except ConsulUnavailableError as exc:
+            if looked or time.monotonic() >= deadline:
+                raise
+            looked = True
+            if "Missing check" in str(exc):
+                check_agents(deadline)
