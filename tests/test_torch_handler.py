@@ -514,8 +514,11 @@ def test_member_that_never_checks_in_is_bounded_by_read_timeout_or_its_death(
     the others give up after read_timeout with an error naming it; if it dies, they meet in
     the next round as soon as Consul drops it."""
     read_timeout = "3" if fate == "hangs" else "60"
+    # A long last call: the round must wait for the ghost (a process: slow to start on a
+    # loaded machine), which makes it full (max_nodes) and seals it at once.
     handlers = [make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=3,
-                             node_id=f"node-{i}", read_timeout=read_timeout)
+                             node_id=f"node-{i}", read_timeout=read_timeout,
+                             last_call_timeout="60")
                 for i in range(2)]
     futures = [pool.submit(h.next_rendezvous) for h in handlers]
     consul = agent.client()
