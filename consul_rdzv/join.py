@@ -90,22 +90,6 @@ class _LostLeadership(Exception):
     """The leader key is no longer ours: go back to waiting."""
 
 
-class _Rejoin(Exception):
-    """Our session is gone: register again and restart the join (same deadline).
-
-    ``confirmed``: on Consul's word (the usual case); False when this node only suspects it
-    (its passes failed for the TTL and Consul could not be asked), so that ensure() asks again
-    before it replaces the session."""
-
-    def __init__(self, reason: str, *, confirmed: bool = True) -> None:
-        super().__init__(reason)
-        self.confirmed = confirmed
-
-
-class _LostLeadership(Exception):
-    """The leader key is no longer ours: go back to waiting."""
-
-
 class Join:
     """One attempt of one node to join the next round (see the module docstring)."""
 
@@ -291,7 +275,7 @@ class Join:
             current = state.round
             if current and current.closed:
                 raise self._closed_error(current)
-            if self._meant_for_me(current, my_index):
+            if current is not None and self._meant_for_me(current, my_index):
                 return self._result(current)
             progress.maybe_log(state)
 
@@ -475,7 +459,7 @@ class Coordinator:
                 raise _Rejoin("our member key disappeared")
             if state.round and state.round.closed:
                 raise join._closed_error(state.round)
-            if join._meant_for_me(state.round, my_index):
+            if state.round is not None and join._meant_for_me(state.round, my_index):
                 return join._result(state.round)  # our own seal, whose answer was lost
             plan = plan_round(state, join.settings, time.monotonic(), quorum_since)
             if quorum_since is None and plan.quorum_since is not None and plan.seal is None:
