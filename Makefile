@@ -45,6 +45,7 @@ demo: consul
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # The main run requires torch: a torch that cannot be imported is one error, not skipped tests.
 test: consul lint

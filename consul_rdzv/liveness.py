@@ -159,11 +159,13 @@ class Liveness:
         """The endpoint reaches several agents: REFUSED, for good."""
         return self._terminal(State.REFUSED, str(error), error)
 
-    def close(self) -> None:
-        """Left or halted: CLOSED, for good."""
+    def close(self, *, forget_session: bool = True) -> None:
+        """Left (the session is forgotten: it is destroyed) or halted (``forget_session`` False:
+        the session stays, as a killed process leaves it): CLOSED, for good."""
         with self._lock:
-            self._now = Snapshot(State.CLOSED, self._now.session, self._now.reason,
-                                 self._now.error)
+            now = self._now
+            self._now = Snapshot(State.CLOSED, None if forget_session else now.session,
+                                 now.reason, now.error)
 
     def _terminal(self, state: State, reason: str, error: Exception) -> bool:
         with self._lock:

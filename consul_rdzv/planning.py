@@ -67,7 +67,7 @@ def plan_round(state: RunState, settings: RendezvousSettings, now: float,
     """Decide whether the coordinator seals now, waits for the last call, or waits for nodes."""
     active = active_participants(state)
     current = state.round if state.round and state.round.ranks else None
-    if active:
+    if active and current is not None:
         reason = (f"{len(active)} node(s) of round {current.round} have not come back yet "
                   f"({', '.join(sorted(active)[:8])})")
         return Plan(reason=reason, detail=reason)
@@ -131,8 +131,9 @@ def count_waiting(members: Mapping[str, MemberView], participants: list[str],
         taken = {participants.index(n) for n in active}  # explicit: rank == asked rank
         asked = taken | {members[n].rank for n in newcomers if members[n].rank is not None}
         placeable = len(explicit_prefix(sorted(r for r in asked if r is not None)))
-        newcomers = [n for n in newcomers if members[n].rank is not None
-                     and members[n].rank < placeable and members[n].rank not in taken]
+        newcomers = [n for n in newcomers
+                     if (rank := members[n].rank) is not None and rank < placeable
+                     and rank not in taken]
     room = len(active) < (max_nodes or settings.max_nodes)
     return len(broken) + (len(newcomers) if room else 0)
 

@@ -81,7 +81,7 @@ def assign(selected: Sequence[Candidate], previous: Mapping[str, int], policy: s
         missing = sorted(set(range(world if not asked else max(asked) + 1)) - set(asked))
         if missing or len(asked) != world:
             raise NotReady(f"explicit ranks {missing} have no node yet")
-        return [c.node for c in sorted(selected, key=lambda c: c.rank)]
+        return [c.node for c in sorted(selected, key=lambda c: c.rank or 0)]
     if policy == "natural":
         return [c.node for c in sorted(selected, key=lambda c: (natural_key(c.host),
                                                                  natural_key(c.node)))]

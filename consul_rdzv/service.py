@@ -212,7 +212,7 @@ def definition(settings: RendezvousSettings, *, node_id: str, host: str, address
     its check notes), ``port`` the trainer store it hosts, if any."""
     sid = service_id(settings.run_id, node_id)
     found = meta(settings, node_id=node_id, host=host, incarnation=incarnation, shown=shown)
-    registration = {
+    registration: dict[str, object] = {
         "ID": sid,
         "Name": settings.service,
         "Address": address,
@@ -228,7 +228,7 @@ def definition(settings: RendezvousSettings, *, node_id: str, host: str, address
         },
     }
     if port:
-        registration["Port"] = port
+        registration["Port"] = int(port)
     return registration
 
 

@@ -395,7 +395,7 @@ def settings_from_conf(run_id: str, min_nodes: int, max_nodes: int,
         kwargs["topology_keys"] = tuple(k for k in keys if k)
     if conf.get("node_rank") not in (None, ""):
         try:
-            kwargs["node_rank"] = int(conf["node_rank"])
+            kwargs["node_rank"] = int(str(conf["node_rank"]))
         except (TypeError, ValueError):
             raise ValueError(f"rdzv conf node_rank={conf['node_rank']!r} is not an integer.") \
                 from None

@@ -25,6 +25,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import BinaryIO
 
 from .client import ConsulClient
 from .config import ConsulConfig
@@ -166,7 +167,7 @@ class ConsulAgent:
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self._extra_ports: list[int] = []
-        self._log_handle = None
+        self._log_handle: BinaryIO | None = None
 
     # -------------------------------------------------------------- addresses
 
@@ -290,14 +291,16 @@ class ConsulAgent:
         return self
 
     def _wait_ready(self, timeout: float) -> None:
+        assert self.proc is not None, "start() first"
+        proc = self.proc
         deadline = time.monotonic() + timeout
         client = self.client()
         last: Exception | None = None
         try:
             while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
+                if proc.poll() is not None:
                     raise RuntimeError(
-                        f"consul agent exited with {self.proc.returncode} during start-up:\n"
+                        f"consul agent exited with {proc.returncode} during start-up:\n"
                         + self.log_text(4000)
                     )
                 try:

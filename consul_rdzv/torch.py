@@ -54,6 +54,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import cast
 
 from torch.distributed import PrefixStore, Store, TCPStore
 from torch.distributed.elastic.rendezvous import api as torch_api
@@ -346,7 +347,7 @@ class ConsulRendezvousHandler(RendezvousHandler):
             return store
 
         try:
-            store = self._unless_broken(meet, until, "meeting")
+            store = cast(Store, self._unless_broken(meet, until, "meeting"))
         except (_StoreUnreachable, RuntimeError, OSError) as exc:
             error = exc.args[0] if isinstance(exc, _StoreUnreachable) else exc
             # Rank 0 refused us, or the store failed, because a member died: Consul says so

@@ -76,6 +76,11 @@ MONITOR_INTERVAL = 0.1
 
 
 
+
+def watch_of(node: ConsulRendezvous):
+    """The node's current round's watch (None between rounds)."""
+    return node.standing.current_watch
+
 def _seconds_from_env(name: str, default: float) -> float:
     raw = os.environ.get(name, "")
     if not raw:
@@ -311,8 +316,9 @@ class TrainingJob:
         self._watches_at_start: dict[str, tuple[object, int]] = {}
 
     def __enter__(self) -> TrainingJob:
-        self._watches_at_start = {n.node_id: (n._watch, n._watch.queries if n._watch else 0)
-                                  for n in self.nodes}
+        self._watches_at_start = {
+            n.node_id: (watch_of(n), watch_of(n).queries if watch_of(n) else 0)
+            for n in self.nodes}
         self.started = time.monotonic()
         for t in self.trainers:
             t.start()
@@ -327,7 +333,7 @@ class TrainingJob:
         """Each node's current watch's counter (``queries``, ``reads``); -1 without a watch."""
         out = {}
         for n in self.nodes:
-            watch = n._watch
+            watch = watch_of(n)
             out[n.node_id] = getattr(watch, what) if watch is not None else -1
         return out
 
@@ -361,8 +367,8 @@ class TrainingJob:
         for n in self.nodes:
             first, at_start = self._watches_at_start[n.node_id]
             count = first.queries - at_start if first is not None else 0
-            if n._watch is not None and n._watch is not first:
-                count += n._watch.queries
+            if watch_of(n) is not None and watch_of(n) is not first:
+                count += watch_of(n).queries
             out[n.node_id] = count
         return out
 
@@ -565,7 +571,7 @@ def test_snapshot_restore_sends_the_members_index_backwards_and_disturbs_no_trai
         assert before > at_save, (before, at_save)  # the spare's tombstone
         # every watch has read the members twice: when the spare came and when it went (its
         # queries then block at the tombstone's index)
-        wait_for(lambda: all(n._watch is not None and n._watch.reads >= 2 for n in ns),
+        wait_for(lambda: all(watch_of(n) is not None and watch_of(n).reads >= 2 for n in ns),
                  3 * WATCH_WAIT, "every watch read the spare's coming and going")
         reads = job.watch_counts("reads")
         restored_at = time.monotonic()
@@ -726,7 +732,7 @@ def test_nodes_own_server_restarted_at_once_disturbs_no_training_node(
         with pytest.raises(RendezvousTimeoutError):
             pending["spare"].result(timeout=30)
         assert spare.leave()
-        wait_for(lambda: all(n._watch is not None and n._watch.reads >= 2 for n in ns),
+        wait_for(lambda: all(watch_of(n) is not None and watch_of(n).reads >= 2 for n in ns),
                  3 * WATCH_WAIT, "every watch read the spare's coming and going")
         before = members_index(server, nodes)
         down = time.monotonic()

@@ -19,6 +19,7 @@ from rdzv_nodes import HB, Cluster, assert_round_ok, figure, one, ranks_of, stay
 from consul_rdzv.client import ConsulClient, txn_kv
 from consul_rdzv.config import ConsulConfig
 from consul_rdzv.errors import RendezvousStateError, RendezvousTimeoutError
+from consul_rdzv.join import Join
 from consul_rdzv.layout import Leader, Member
 from consul_rdzv.rendezvous import ConsulRendezvous
 from consul_rdzv.settings import RendezvousSettings
@@ -215,7 +216,8 @@ def test_late_heartbeat_answers_do_not_end_a_round_consul_still_holds(nodes, age
            "it kept its session")
 
 
-def test_suspicion_that_returns_while_joining_keeps_the_session_and_the_round(nodes):
+def test_suspicion_that_returns_while_joining_keeps_the_session_and_the_round(nodes,
+                                                                            monkeypatch):
     """The pass thread may suspect the node out again right after ensure() cleared the
     suspicion (the next pass is still late: its last success is older than the TTL). A joining
     node that rejoined on that suspicion replaced a session Consul still held: its member key,
@@ -228,14 +230,16 @@ def test_suspicion_that_returns_while_joining_keeps_the_session_and_the_round(no
     # the suspected node waits for the coordinator's seal (a coordinator seals, never waits)
     worker = b if nodes.leader().node == "a" else a
     session = worker.session_id
-    write_member = worker._write_member
+    write_member = Join._write_member
 
-    def write_then_suspect(deadline):
-        written = write_member(deadline)
-        worker.registration.mark_lost("test: its passes failed for the TTL", confirmed=False)
+    def write_then_suspect(join, deadline):
+        written = write_member(join, deadline)
+        if join.node_id == worker.node_id:
+            worker.registration.mark_lost("test: its passes failed for the TTL",
+                                          confirmed=False)
         return written
 
-    worker._write_member = write_then_suspect
+    monkeypatch.setattr(Join, "_write_member", write_then_suspect)
     second = nodes.rounds([a, b], timeout=30)
     assert_round_ok(second, 2, 2)
     assert worker.session_id == session, "a suspicion replaced a session Consul still held"

@@ -50,7 +50,7 @@ def nodes(agent, prefix, tmp_path):
 
 
 def watch_alive(node: ConsulRendezvous) -> bool:
-    watch = node._watch
+    watch = node.standing.current_watch
     return watch is not None and not watch.stopped
 
 
@@ -58,11 +58,11 @@ def healthy_throughout(nodes_: list[ConsulRendezvous], window: float) -> int:
     """num_nodes_waiting() polled like torchrun's monitor loop (every 0.05-0.1 s) over
     ``window`` seconds: 0 on every node every time, and every watch still running. Returns how
     many blocking queries the watches made meanwhile."""
-    before = sum(n._watch.queries for n in nodes_)
+    before = sum(n.standing.current_watch.queries for n in nodes_)
     stays(lambda: all(n.num_nodes_waiting() == 0 and watch_alive(n) for n in nodes_), window,
           "a healthy round broke: " + "; ".join(
-              f"{n.node_id}={n.num_nodes_waiting()} ({n._broken_reason})" for n in nodes_))
-    return sum(n._watch.queries for n in nodes_) - before
+              f"{n.node_id}={n.num_nodes_waiting()} ({n.standing.broken_reason})" for n in nodes_))
+    return sum(n.standing.current_watch.queries for n in nodes_) - before
 
 
 # ============================================================== 1-2. a healthy job never restarts
@@ -140,11 +140,11 @@ def test_a_node_that_finished_and_left_is_not_a_death(nodes):
     first = nodes.rounds([a, b, c], timeout=30)
     assert a.close_if_current(first["a"], "a's workers succeeded", outcome="finished")
     assert a.leave()
-    wait_for(lambda: b._finished is not None and c._finished is not None, 5,
+    wait_for(lambda: b.standing.finished is not None and c.standing.finished is not None, 5,
              "b and c see the job finished")
     stays(lambda: b.num_nodes_waiting() == c.num_nodes_waiting() == 0, 3 * SHORT_WAIT,
           "a finished node's departure made the others restart")
-    assert b._finished["by"] == "a"
+    assert b.standing.finished["by"] == "a"
     for node in (b, c):
         assert node.close_if_current(first[node.node_id], "done", outcome="finished")
         assert node.leave()
@@ -386,7 +386,7 @@ def test_a_rewrite_and_a_spare_leaving_in_one_watch_answer_end_the_round(agent, 
     spare = nodes.node("spare", settings)
     spare_join = nodes.start([spare])
     wait_for(lambda: "spare" in nodes.members(), 10, "the spare's key")
-    wait_for(lambda: a._watch.reads >= 1 and a.num_nodes_waiting() == 0, 10,
+    wait_for(lambda: a.standing.current_watch.reads >= 1 and a.num_nodes_waiting() == 0, 10,
              "a's watch read the spare's value")
     client.gated.add("keys")
     client.gate.clear()

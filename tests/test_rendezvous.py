@@ -34,8 +34,9 @@ from consul_rdzv.errors import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
+from consul_rdzv.join import ROUND_WAIT
 from consul_rdzv.layout import Leader
-from consul_rdzv.rendezvous import ROUND_WAIT, ConsulRendezvous
+from consul_rdzv.rendezvous import ConsulRendezvous
 from consul_rdzv.settings import RendezvousSettings
 
 

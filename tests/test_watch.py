@@ -18,9 +18,9 @@ import pytest
 
 from consul_rdzv.client import KVEntry, QueryResult, Step
 from consul_rdzv.errors import ConsulUnavailableError
+from consul_rdzv.keeper import cut_off
 from consul_rdzv.layout import Keys, Member, Round
 from consul_rdzv.planning import MemberView
-from consul_rdzv.registration import cut_off
 from consul_rdzv.settings import RendezvousSettings
 from consul_rdzv.watch import Action, RoundWatch, WatchedRound, judge
 

@@ -274,7 +274,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
     print(f"node {args.node} drained from run {args.run_id}: its Consul session "
           f"{entry.session} is destroyed and its member key is gone"
           + (" (with the coordinator key it held)" if coordinator else "") + ".")
-    if in_round:
+    if in_round and current is not None:
         print(f"The other participants of round {current.round} see it gone now "
               "(num_nodes_waiting() >= 1) and re-rendezvous at once without it"
               + ("; a waiting node becomes coordinator" if coordinator else "") + ".")
@@ -290,7 +290,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     """``gc``: delete runs that ended (closed, no live node) or were abandoned."""
     reader, entries, rows = _all_runs(args)
-    doomed, kept = [], []
+    doomed: list[dict[str, Any]] = []
+    kept: list[dict[str, Any]] = []
     for row in rows:
         delete, row["why"] = _gc_reason(row, args.older_than)
         (doomed if delete else kept).append(row)

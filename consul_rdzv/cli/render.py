@@ -52,6 +52,7 @@ def status_doc(view: RunView) -> dict[str, Any]:
     store_host = str(store.get("host") or "") if isinstance(store, dict) else ""
     rows: list[dict[str, Any]] = []
     for rank, node in enumerate(sealed.ranks if sealed else []):
+        assert sealed is not None
         member, inst = state.members.get(node), view.instances.get(node)
         if member is None:
             st = "gone"

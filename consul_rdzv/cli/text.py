@@ -21,7 +21,7 @@ class UsageError(CliError):
     """A bad argument value that argparse cannot see: exit code 2."""
 
 
-def one_line(text: str) -> str:
+def one_line(text: object) -> str:
     """``text`` with every run of whitespace (newlines included) as one space."""
     return " ".join(str(text).split())
 

@@ -97,9 +97,9 @@ def main() -> int:
             time.sleep(args.step_time)
 
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-    loss = float(loss.detach())
+    final_loss = float(loss.detach())
     result = {"rank": rank, "world_size": world, "group_rank": group_rank,
-              "restarts": restarts, "checksum": round(checksum, 10), "loss": loss,
+              "restarts": restarts, "checksum": round(checksum, 10), "loss": final_loss,
               "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"}
     print(json.dumps(result), flush=True)
     if args.out:
