@@ -36,7 +36,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.soak import CHECK_PASS, ConsulView, fd_kinds, fds_flat, machine, proc_stats
+from bench.measure import CHECK_PASS, ConsulView, fd_kinds, fds_flat, machine, proc_stats
 
 #: Pause before a sample: the round's service-meta publishes (0.5 s + 20 ms per member) are done.
 SETTLE = 1.0

@@ -29,14 +29,35 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from .agents import AgentLooks
+from .client import ConsulClient
 from .errors import ConsulError, ConsulNotFound, ConsulSessionInvalid
-from .liveness import State
+from .heartbeat import Heartbeat
+from .liveness import Liveness, State
 from .service import JOINING as JOINING_STATE
+from .settings import RendezvousSettings
 
-if TYPE_CHECKING:
-    from .registration import Registration
+
+class Owner(Protocol):
+    """What the keep thread uses of the registration that owns it (registration.py imports
+    this module, not the other way round)."""
+
+    node_id: str
+    settings: RendezvousSettings
+    client: ConsulClient
+    liveness: Liveness
+    heartbeat: Heartbeat
+    agents: AgentLooks
+    register_lock: threading.Lock
+
+    def definition(self) -> dict: ...
+
+    def mark_lost(self, reason: str, *, confirmed: bool = True,
+                  session: str | None = None) -> None: ...
+
+    def recheck_agents(self, deadline: float) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +91,7 @@ def cut_off(members: list[dict]) -> bool:
 class Keeper:
     """The keep thread (see the module docstring)."""
 
-    def __init__(self, registration: Registration) -> None:
+    def __init__(self, registration: Owner) -> None:
         self.reg = registration
         settings = registration.settings
         self.interval = settings.heartbeat_interval

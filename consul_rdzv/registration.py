@@ -109,10 +109,9 @@ class Registration:
                                  incarnation_id=incarnation.id, liveness=self.liveness,
                                  stop=self._stop_threads)
         self.heartbeat = Heartbeat(client, settings, check_id=self.check_id, node_id=node_id,
-                                   note=lambda: self.keeper.shown.note,
-                                   on_refused=self._pass_refused,
+                                   note=self._shown_note, on_refused=self._pass_refused,
                                    on_silent=self._silent)
-        self.keeper = Keeper(self)
+        self.keeper: Keeper = Keeper(self)
         self._suspect = False
         self._first_looked = False
         self._ensure_lock = threading.Lock()
@@ -372,6 +371,9 @@ class Registration:
         self.keeper.publish(Shown(dict(meta), note, port), delay)
 
     # ------------------------------------------------------------------ the pass thread's news
+
+    def _shown_note(self) -> str:
+        return self.keeper.shown.note
 
     def _pass_refused(self, exc: ConsulNotFound) -> None:
         self._suspect = True  # ensure() or the keep thread asks which agent holds it

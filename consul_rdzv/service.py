@@ -28,10 +28,24 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .settings import RendezvousSettings
+
+class ServiceSettings(Protocol):
+    """What the service conventions read of a node's settings (a ``RendezvousSettings``;
+    settings.py imports this module for its constants, not the other way round)."""
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def service(self) -> str: ...
+
+    @property
+    def heartbeat_timeout(self) -> float: ...
+
+    @property
+    def node_meta(self) -> Mapping[str, str]: ...
 
 #: The default ``key_prefix`` (the runs' KV prefix), and the default service name's prefix:
 #: torch's own name for its elastic jobs.
@@ -172,7 +186,7 @@ class Incarnation:
 # ----------------------------------------------------------------------------- meta and notes
 
 
-def meta(settings: RendezvousSettings, *, node_id: str, host: str, incarnation: Incarnation,
+def meta(settings: ServiceSettings, *, node_id: str, host: str, incarnation: Incarnation,
          shown: Mapping[str, str]) -> dict[str, str]:
     """The service meta of a node: who it is (run, node, host, pid, incarnation, TTL), what it
     does (``shown``: ``{"state": "joining"}`` or :func:`training_meta`), then its node_meta."""
@@ -204,7 +218,7 @@ def training_note(round_no: int, rank: int, world_size: int) -> str:
     return f"round {round_no} · rank {rank}/{world_size} · {TRAINING}"
 
 
-def definition(settings: RendezvousSettings, *, node_id: str, host: str, address: str,
+def definition(settings: ServiceSettings, *, node_id: str, host: str, address: str,
                incarnation: Incarnation, shown: Mapping[str, str], note: str,
                port: int | None = None) -> dict:
     """The service registration of a node: instance, meta, tags and the TTL check (registered

@@ -3,7 +3,7 @@
 Not part of the installed package (the wheel ships ``consul_rdzv`` only): what it does is for
 tests, the benchmark (``bench/``) and the fault campaign (``verify/``), and some of it needs
 root. Run them from the repository's root (``python -m pytest``, ``python -m bench.run``,
-``python -m verify.campaign``), which puts this package on ``sys.path``.
+``python -m verify.run``), which puts this package on ``sys.path``.
 
 * :class:`ConsulAgent` (``agent.py``): ``consul agent -dev`` on 127.0.0.1 with free ports, with
   ``acl=True`` / ``tls=True`` / ``verify_incoming=True`` variants and ``kill``, ``restart``,

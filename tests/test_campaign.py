@@ -18,10 +18,11 @@ from rdzv_nodes import Cluster
 
 from consul_rdzv.client import ConsulClient
 from consul_rdzv.errors import ConsulUnavailableError, RendezvousReplacedError
-from verify.campaign import CampaignConfig, run_campaign
+from verify.campaign import CampaignConfig
 from verify.campaign_node import endpoint_for
 from verify.checks import check_invariants, check_missed_rounds
 from verify.report import summary
+from verify.run import run_campaign
 from verify.schedule import KINDS, SERVER_KINDS, fault_schedule, schedule_digest
 
 # ------------------------------------------------------------------------------- schedule

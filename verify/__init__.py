@@ -1,5 +1,5 @@
 """Verification tools that run the product against real Consul clusters (not installed).
 
-``python -m verify.campaign``: a seeded, randomized fault campaign that checks every round's
+``python -m verify.run``: a seeded, randomized fault campaign that checks every round's
 invariants (docs/campaign.md); its node process is ``verify/campaign_node.py``.
 """

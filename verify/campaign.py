@@ -1,8 +1,8 @@
 """A seeded, randomized fault campaign on a real Consul cluster: the verification suite.
 
-    python -m verify.campaign --seed 7 --rounds 500 [--nodes 6] [--out report.json]
-    python -m verify.campaign --seed 7 --schedule-only 20    # print the fault schedule only
-    python -m verify.campaign --seed 0 --check-events LOGS/events.jsonl   # check a recorded run
+    python -m verify.run --seed 7 --rounds 500 [--nodes 6] [--out report.json]
+    python -m verify.run --seed 7 --schedule-only 20    # print the fault schedule only
+    python -m verify.run --seed 0 --check-events LOGS/events.jsonl   # check a recorded run
 
 What runs: a :class:`~consul_testing.ConsulCluster` (3 servers and 3 client agents, each on
 its own 127.X.Y.Z), ``--nodes`` real node processes (``verify/campaign_node.py``: protocol level,
@@ -65,7 +65,6 @@ and p99 per kind, the errors nodes raised (type, count, why), unexpected process
 
 from __future__ import annotations
 
-import argparse
 import base64
 import contextlib
 import dataclasses
@@ -73,11 +72,9 @@ import heapq
 import itertools
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -93,9 +90,8 @@ from consul_rdzv.layout import Keys
 from consul_testing import ClusterMember, ConsulCluster
 
 from .campaign_node import EXIT_REPLACED, endpoint_for
-from .checks import check_events_file, seal_of
-from .report import build_report, loadavg, summary
-from .schedule import KINDS, SERVER_KINDS, FaultSpec, fault_schedule, pick, schedule_digest
+from .checks import loadavg, seal_of
+from .schedule import KINDS, SERVER_KINDS, FaultSpec, fault_schedule, pick
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,7 +109,7 @@ REPLACED_EXIT_WITHIN = 30.0
 
 @dataclass
 class CampaignConfig:
-    """Everything a campaign run depends on (see ``python -m verify.campaign --help``)."""
+    """Everything a campaign run depends on (see ``python -m verify.run --help``)."""
 
     seed: int
     rounds: int
@@ -191,6 +187,17 @@ class Fault:
     detail: dict = field(default_factory=dict)
     affected: list[Affected] = field(default_factory=list)
     ended: float | None = None  # thaw, restart, replacement started
+
+
+@dataclass
+class Outcome:
+    """How a campaign ended, for its report (verify/report.py builds it)."""
+
+    stop_reason: str
+    fault_phase: float
+    elapsed: float
+    converged: dict | None
+    restored: float
 
 
 class Campaign:
@@ -797,8 +804,7 @@ class Campaign:
         self._stop.set()
         for thread in self._threads:
             thread.join(15)
-        return build_report(self, stop_reason, fault_phase, time.monotonic() - began,
-                            converged, restored)
+        return Outcome(stop_reason, fault_phase, time.monotonic() - began, converged, restored)
 
     def _converge(self, since: float) -> dict | None:
         """Wait for a round sealed after ``since`` with every live node (as many as fit) that
@@ -856,119 +862,3 @@ def _tail(path: Path, chars: int) -> str:
     with contextlib.suppress(OSError):
         return path.read_text(errors="replace")[-chars:]
     return ""
-
-
-# ----------------------------------------------------------------------------------- entry points
-
-
-def run_campaign(cfg: CampaignConfig, *, log_dir: Path | None = None,
-                 out: TextIO = sys.stderr) -> dict:
-    """Start a cluster, run one campaign, stop everything (by PID); the report.
-
-    Logs (node stderr, events.jsonl, the agents' logs) go to ``log_dir``; without one, to a
-    temporary directory that is removed unless there was a violation (``report["logs"]``).
-    """
-    keep = log_dir is not None
-    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="consul-rdzv-campaign-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    cluster = ConsulCluster(servers=3, clients=cfg.clients)
-    campaign: Campaign | None = None
-    report: dict = {}
-    try:
-        cluster.start()
-        print(f"[campaign] cluster {cluster} up in {cluster.start_seconds:.1f}s; logs in "
-              f"{log_dir}", file=out, flush=True)
-        campaign = Campaign(cfg, cluster, log_dir, out=out)
-        report = campaign.run()
-        return report
-    finally:
-        if campaign is not None:
-            campaign.close()
-        violated = bool(report.get("violations", {}).get("count")) or not report
-        if keep or violated:
-            consul_logs = log_dir / "consul"
-            consul_logs.mkdir(exist_ok=True)
-            for member in cluster.members:
-                with contextlib.suppress(OSError):
-                    shutil.copy(member.log_path, consul_logs / f"{member.name}.log")
-        cluster.close()
-        if report:
-            report["logs"] = str(log_dir) if keep or violated else None
-        if not (keep or violated):
-            shutil.rmtree(log_dir, ignore_errors=True)
-
-
-def _pair(text: str) -> tuple[float, float]:
-    lo, hi = (float(x) for x in text.split(","))
-    return lo, hi
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, required=True)
-    parser.add_argument("--rounds", type=int, default=500, help="stop after this many rounds")
-    parser.add_argument("--nodes", type=int, default=6)
-    parser.add_argument("--min-nodes", type=int, default=2)
-    parser.add_argument("--max-nodes", type=int, default=None,
-                        help="default: nodes - 1 (a spare waits beside a full round)")
-    parser.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat_timeout (s)")
-    parser.add_argument("--join-timeout", type=float, default=30.0)
-    parser.add_argument("--train", type=_pair, default=(0.3, 2.0), metavar="MIN,MAX",
-                        help="training time between rounds (s), ended early if the round breaks")
-    parser.add_argument("--gap", type=_pair, default=(2.0, 7.0), metavar="MIN,MAX",
-                        help="time between two faults (s)")
-    parser.add_argument("--kinds", default=",".join(KINDS),
-                        help=f"fault kinds to inject (default all: {', '.join(KINDS)})")
-    parser.add_argument("--max-seconds", type=float, default=3600.0)
-    parser.add_argument("--stall-timeout", type=float, default=120.0)
-    parser.add_argument("--out", type=Path, help="write the JSON report here")
-    parser.add_argument("--markdown", type=Path, help="write the summary tables here")
-    parser.add_argument("--logs", type=Path, help="keep node and agent logs here")
-    parser.add_argument("--schedule-only", type=int, metavar="N",
-                        help="print the first N faults of the seed's schedule and exit")
-    parser.add_argument("--check-events", type=Path, metavar="EVENTS_JSONL",
-                        help="check the round invariants of a recorded run (e.g. an interrupted "
-                             "one) from its events.jsonl, and exit")
-    args = parser.parse_args(argv)
-
-    kinds = {k.strip(): KINDS[k.strip()] for k in args.kinds.split(",") if k.strip() in KINDS}
-    unknown = [k for k in args.kinds.split(",") if k.strip() and k.strip() not in KINDS]
-    if unknown or not kinds:
-        parser.error(f"unknown fault kinds {unknown}; known: {', '.join(KINDS)}")
-    if args.check_events is not None:
-        return check_events_file(args.check_events, min_nodes=args.min_nodes,
-                                 max_nodes=args.max_nodes or max(args.min_nodes, args.nodes - 1))
-    if args.schedule_only is not None:
-        specs = list(itertools.islice(fault_schedule(args.seed, gap=args.gap,
-                                                     heartbeat=args.heartbeat, kinds=kinds),
-                                      args.schedule_only))
-        for spec in specs:
-            print(json.dumps(dataclasses.asdict(spec)))
-        print(f"digest {schedule_digest(specs)}")
-        return 0
-    def stop(signum: int, frame: object) -> None:  # clean up (finally blocks) on SIGTERM too
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)  # also when started in the background (SIG_IGN)
-    cfg = CampaignConfig(seed=args.seed, rounds=args.rounds, nodes=args.nodes,
-                         min_nodes=args.min_nodes, max_nodes=args.max_nodes,
-                         heartbeat=args.heartbeat, join_timeout=args.join_timeout,
-                         train=args.train, gap=args.gap, kinds=kinds,
-                         max_seconds=args.max_seconds, stall_timeout=args.stall_timeout)
-    report = run_campaign(cfg, log_dir=args.logs)
-    text = summary(report)
-    print(text)
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1, sort_keys=True, default=str) + "\n")
-    if args.markdown:
-        args.markdown.write_text(text + "\n")
-    if report["violations"]["count"]:
-        print(f"{report['violations']['count']} violation(s); logs kept in {report['logs']}",
-              file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

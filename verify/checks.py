@@ -1,12 +1,13 @@
 """The campaign's invariant checks, on records alone (nodes' reports, values seen in Consul).
 
 Pure functions: ``tests/test_campaign.py`` catches each violation kind on hand-built records, and
-``python -m verify.campaign --check-events`` runs them on a recorded ``events.jsonl``.
+``python -m verify.run --check-events`` runs them on a recorded ``events.jsonl``.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -208,3 +209,9 @@ def check_events_file(path: Path, *, min_nodes: int, max_nodes: int) -> int:
     for violation in violations:
         print(f"- {violation['kind']} (round {violation['round']}): {violation['detail']}")
     return 1 if violations else 0
+
+
+def loadavg() -> str:
+    with contextlib.suppress(OSError):
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return "?"

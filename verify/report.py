@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from consul_rdzv.errors import RendezvousReplacedError
 from consul_testing import CONSUL_VERSION
 
-from .checks import check_invariants, check_missed_rounds
+from .checks import check_invariants, check_missed_rounds, loadavg
 from .schedule import KINDS, NODE_KILL_KINDS, schedule_digest
 
 if TYPE_CHECKING:
@@ -249,12 +249,6 @@ def _stats(values: list[float]) -> dict:
     return {"n": len(values), "p50": round(_percentile(values, 0.5), 3),
             "p99": round(_percentile(values, 0.99), 3), "max": round(max(values), 3),
             "mean": round(statistics.fmean(values), 3)}
-
-
-def loadavg() -> str:
-    with contextlib.suppress(OSError):
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    return "?"
 
 
 def _cpu_model() -> str:
