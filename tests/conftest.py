@@ -1,6 +1,23 @@
-"""Fixtures: real Consul agents (dev, ACL, TLS, mTLS), a real multi-member Consul cluster (both
-from consul_testing/, the harness at the repository's root), a unique KV prefix per test, and the
-agents' logs attached to the report of a failing test."""
+"""The tests' one vocabulary of fixtures, and the agents' logs attached to the report of a
+failing test.
+
+Consul (real agents from consul_testing/, the harness at the repository's root):
+
+* ``session_agent``, ``acl_agent``, ``tls_agent``, ``mtls_agent``: dev agents shared by the
+  session; ``agent``: the shared dev agent with CONSUL_HTTP_ADDR pointing at it; ``consul``: a
+  client of it; ``fresh_agent``: a dev agent of the test's own (to stop, restart or freeze).
+* ``consul_cluster``: a real cluster (3 servers, 2 client agents) shared by the session;
+  ``cluster``: the same, healthy at the start of the test and restored after it.
+
+A run (tests/rdzv_nodes.py, tests/torch_handlers.py):
+
+* ``prefix``: a KV prefix of the test's own; ``run_id``: a run id of its own (``run-<prefix>``).
+* ``nodes``: the nodes of the test's run (:class:`rdzv_nodes.Cluster`: threads and processes)
+  on ``agent``; ``fresh_nodes`` on ``fresh_agent``; ``cluster_nodes`` on ``cluster``.
+* ``make_handler``: torchrun's handlers through torch's registry (imports torch).
+
+Waiting: :func:`rdzv_nodes.wait_for` and :func:`rdzv_nodes.stays`, never fixed sleeps.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +31,8 @@ import pytest
 
 # The harness (consul_testing/) is not installed: it lives at the repository's root.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rdzv_nodes import Cluster
 
 from consul_testing import ConsulAgent, ConsulCluster
 
@@ -113,9 +132,54 @@ def consul(agent):
 
 
 @pytest.fixture
-def prefix(request):
+def prefix():
     """A KV prefix of this test's own."""
     return f"test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def run_id(prefix):
+    """A run id of this test's own (service ids are per agent, not per key prefix), the one
+    its ``nodes`` use."""
+    return f"run-{prefix}"
+
+
+def _nodes(agent, prefix: str, run_id: str, log_dir: Path):
+    c = Cluster(agent, prefix, log_dir, run_id=run_id)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture
+def nodes(agent, prefix, run_id, tmp_path):
+    """The nodes of this test's run on the shared dev agent: ``ConsulRendezvous`` threads and
+    node processes, left, killed and cleaned up after the test."""
+    yield from _nodes(agent, prefix, run_id, tmp_path)
+
+
+@pytest.fixture
+def fresh_nodes(fresh_agent, prefix, run_id, tmp_path):
+    """``nodes`` on a dev agent of this test's own (``fresh_agent``)."""
+    yield from _nodes(fresh_agent, prefix, run_id, tmp_path)
+
+
+@pytest.fixture
+def cluster_nodes(cluster, prefix, run_id, tmp_path):
+    """``nodes`` on the cluster: their own reads (and the seal recorder) go through client
+    agent 1, which no test harms; a node gets the client of its own agent from the test."""
+    yield from _nodes(cluster.clients[1], prefix, run_id, tmp_path)
+
+
+@pytest.fixture
+def make_handler():
+    """``make_handler(endpoint, run_id, prefix, *, min_nodes=1, max_nodes=1, fast=True,
+    **conf)``: a torchrun handler built through torch's registry
+    (:class:`torch_handlers.HandlerFactory`); each leaves (never closes) at teardown."""
+    from torch_handlers import HandlerFactory  # imports torch: only for the tests that ask
+
+    factory = HandlerFactory()
+    yield factory
+    factory.leave_all()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -14,7 +14,6 @@ import http.server
 import signal
 import threading
 import time
-import uuid
 
 import pytest
 from torchrun_jobs import TorchrunJob, torch_log_times
@@ -26,11 +25,6 @@ pytestmark = pytest.mark.slow
 JOB_TIMEOUT = 150
 #: A check TTL far longer than any graceful step, so that TTL expiry cannot explain a result.
 LONG_TTL = 30
-
-
-@pytest.fixture
-def run_id() -> str:
-    return f"life-{uuid.uuid4().hex[:8]}"
 
 
 def conf(prefix: str, **changes) -> dict:

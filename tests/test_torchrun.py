@@ -14,7 +14,6 @@ import re
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 from torchrun_jobs import TorchrunJob, torch_log_times
@@ -32,11 +31,6 @@ FAIL_FAST = 20.0
 def fast_conf(prefix: str) -> dict:
     return {"key_prefix": prefix, "heartbeat_timeout": 2, "last_call_timeout": 1,
             "join_timeout": 60}
-
-
-@pytest.fixture
-def run_id() -> str:
-    return f"e2e-{uuid.uuid4().hex[:8]}"
 
 
 def assert_trained_together(job: TorchrunJob, world_size: int) -> list[dict]:

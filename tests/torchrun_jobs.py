@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rdzv_nodes import wait_for
+
 #: The training script, found as ``consul-rdzv demo`` finds it: in the installed package.
 TRAIN = Path(str(importlib.resources.files("consul_rdzv") / "examples" / "train.py"))
 #: torchrun with a lowered exit-barrier timeout (``exit_barrier=`` below)
@@ -163,14 +165,10 @@ class TorchrunJob:
         return [e for e in self.progress() if e["event"] == "start"
                 and (world_size is None or e["world_size"] == world_size)]
 
-    def wait_for(self, predicate, timeout: float, what: str) -> None:
-        """Poll ``predicate()`` until true; on timeout fail with every agent's log."""
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}\n"
-                                     + self.report())
-            time.sleep(0.1)
+    def wait_for(self, predicate, timeout: float, what: str) -> object:
+        """:func:`rdzv_nodes.wait_for` every 0.1 s; on timeout it fails with every agent's
+        log."""
+        return wait_for(predicate, timeout, what, 0.1, detail=self.report)
 
     def report(self, tail: int = 6000) -> str:
         parts = []
