@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -41,7 +43,27 @@ from consul_testing import ConsulAgent, ConsulCluster
 NOWHERE = "127.0.0.1:9"
 
 
+def _default_signal_dispositions() -> None:
+    """SIGINT and SIGTERM back to their defaults if the test command started with them ignored
+    (a script's background job ignores SIGINT): an ignored signal stays ignored across exec,
+    so every process the tests start (torchrun agents, node processes, CLI runs) would ignore
+    the Ctrl-C or SIGTERM a test sends it. A handled signal is reset to its default at exec:
+    SIGINT gets Python's own handler (KeyboardInterrupt) here, SIGTERM its default
+    (tests/test_signals.py)."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # (a worker thread cannot set handlers; its process inherited them)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def pytest_configure(config):
+    _default_signal_dispositions()
+    _require_torch()
+
+
+def _require_torch():
     """``make test`` sets CONSUL_RDZV_REQUIRE_TORCH=1 on the main interpreter: there a torch that
     cannot be imported is one error before any test runs, so no torch test is lost to a skip or
     hidden among import errors. The torch-free runs on other interpreters leave it unset."""
