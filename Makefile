@@ -27,7 +27,7 @@ CORE_TESTS := tests/test_client.py tests/test_rendezvous.py tests/test_cli.py \
 CORE_DESELECT := agent_restart or agent_down or frozen or coordinator_killed or killed_node \
 	or read_timeout_plus_retry
 
-.PHONY: demo test test-pythons lint consul bench dist smoke clean
+.PHONY: demo test unit test-pythons lint consul bench dist smoke clean
 
 # consul_rdzv/__init__.py holds the version: reinstalling refreshes the editable metadata.
 $(BIN)/.installed: pyproject.toml consul_rdzv/__init__.py
@@ -45,6 +45,12 @@ demo: consul
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
+
+# The unit tier: every test that needs no Consul (tests/conftest.py marks them `unit`), in
+# seconds, without the Consul binary (a unit test that would start Consul fails, naming the
+# marker it lacks).
+unit: $(BIN)/.installed
+	$(BIN)/python -m pytest -m unit -q
 
 # The main run requires torch: a torch that cannot be imported is one error, not skipped tests.
 test: consul lint

@@ -17,6 +17,9 @@ A run (tests/rdzv_nodes.py, tests/torch_handlers.py):
 * ``make_handler``: torchrun's handlers through torch's registry (imports torch).
 
 Waiting: :func:`rdzv_nodes.wait_for` and :func:`rdzv_nodes.stays`, never fixed sleeps.
+
+Tiers: every test that asks for no agent fixture and is marked neither ``consul`` nor ``slow``
+is marked ``unit`` here (``make unit``: no Consul, in seconds; tests/test_unit_tier.py).
 """
 
 from __future__ import annotations
@@ -77,6 +80,52 @@ def _require_torch():
             "(make test installs the CPU wheel from ../shared/wheels into .venv), or unset "
             "CONSUL_RDZV_REQUIRE_TORCH to run only the torch-free tests."
         ) from exc
+
+
+# ------------------------------------------------------------------------------ the unit tier
+
+#: The fixtures that start Consul agents; every agent fixture depends on one of them.
+AGENT_FIXTURES = frozenset({"session_agent", "acl_agent", "tls_agent", "mtls_agent",
+                            "fresh_agent", "consul_cluster"})
+#: What CONSUL_BIN says during a unit test: no Consul binary there, so that a unit test that
+#: would start Consul (itself or through a child process) fails, naming the marker it lacks.
+NO_CONSUL_IN_UNIT_TESTS = "/nonexistent/a-unit-test-runs-no-consul--mark-it-pytest.mark.consul"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The unit tier: every test that asks for no agent fixture (directly or through another
+    fixture) and is marked neither ``consul`` (it runs the Consul binary by itself) nor
+    ``slow`` (real torchrun jobs) gets the ``unit`` marker (``make unit``, ``pytest -m unit``).
+    A test marked ``unit`` by hand that needs an agent is a usage error."""
+    for item in items:
+        agents = sorted(AGENT_FIXTURES & set(item.fixturenames))
+        other = [m for m in ("consul", "slow") if item.get_closest_marker(m)]
+        if item.get_closest_marker("unit"):
+            if agents or other:
+                raise pytest.UsageError(
+                    f"{item.nodeid} is marked unit but needs Consul "
+                    f"({', '.join(agents + [f'marked {m}' for m in other])}): a unit test runs "
+                    "no agent. Remove the unit marker, or the agent from the test.")
+        elif not agents and not other:
+            item.add_marker(pytest.mark.unit)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A unit test, its fixtures included, runs with CONSUL_BIN naming no binary."""
+    if not item.get_closest_marker("unit"):
+        yield
+        return
+    saved = os.environ.get("CONSUL_BIN")
+    os.environ["CONSUL_BIN"] = NO_CONSUL_IN_UNIT_TESTS
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CONSUL_BIN", None)
+        else:
+            os.environ["CONSUL_BIN"] = saved
 
 
 @pytest.fixture(autouse=True)

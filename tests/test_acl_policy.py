@@ -382,6 +382,7 @@ def team_cluster():
     cluster.close()
 
 
+@pytest.mark.consul
 @pytest.mark.timeout(180)
 def test_two_teams_cannot_touch_each_others_runs(team_cluster, tmp_path):
     from consul_rdzv.client import ConsulClient

@@ -444,6 +444,7 @@ def _stop_agent(proc: subprocess.Popen) -> str:
     return proc.stderr.read()
 
 
+@pytest.mark.consul
 def test_agent_default_is_local_only_and_quiet():
     proc, lines = _start_agent()
     try:
@@ -456,6 +457,7 @@ def test_agent_default_is_local_only_and_quiet():
     assert "WARNING" not in stderr and "other hosts" not in "\n".join(lines)
 
 
+@pytest.mark.consul
 def test_agent_bind_serves_that_address_only_with_a_loud_warning():
     """--bind 127.0.0.2 --port P: the HTTP API answers at 127.0.0.2:P (where another host
     would reach it), not at 127.0.0.1:P; the warning says it is unsecured."""
@@ -478,6 +480,7 @@ def test_agent_bind_serves_that_address_only_with_a_loud_warning():
     assert "no ACLs, no TLS" in stderr
 
 
+@pytest.mark.consul
 def test_agent_address_option_is_honoured():
     port = free_port("127.0.0.3")
     proc, lines = _start_agent("--address", f"127.0.0.3:{port}")
@@ -501,6 +504,7 @@ def test_agent_bad_listen_address_is_a_usage_error(args, message):
     assert proc.stderr.startswith("consul-rdzv agent: ") and message in proc.stderr, proc.stderr
 
 
+@pytest.mark.consul
 def test_agent_port_in_use_is_one_clear_line():
     import socket
 

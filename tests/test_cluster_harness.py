@@ -63,6 +63,7 @@ def test_pick_loopback_block_skips_block_if_a_socket_listens_in_it():
         assert int(block.split(".")[1]) >= 16  # never 127.0.x.x, where 127.0.0.1 lives
 
 
+@pytest.mark.consul
 def test_cluster_partition_raises_unsupported_if_members_share_the_test_uid():
     c = ConsulCluster(servers=1, clients=0, separate_uids=False)
     try:
@@ -80,6 +81,7 @@ def test_cluster_refuses_bad_client_names(names):
         ConsulCluster(servers=1, clients=2, client_names=names)
 
 
+@pytest.mark.consul
 def test_cluster_names_its_client_agents_as_told():
     c = ConsulCluster(servers=1, clients=2, client_names=["team-a-0", "team-b-0"])
     try:
@@ -274,6 +276,7 @@ def test_cluster_partition_cuts_client_off_servers_if_client_partitioned(cluster
 # ------------------------------------------------------------------------------- variants
 
 
+@pytest.mark.consul
 @pytest.mark.timeout(90)
 def test_acl_cluster_denies_anonymous_and_accepts_management_token_if_acl_enabled():
     with ConsulCluster(servers=3, clients=1, acl=True) as c:
@@ -294,6 +297,7 @@ def test_acl_cluster_denies_anonymous_and_accepts_management_token_if_acl_enable
             managed.close()
 
 
+@pytest.mark.consul
 @pytest.mark.timeout(90)
 def test_tls_cluster_serves_https_on_every_member_if_tls_enabled():
     with ConsulCluster(servers=3, clients=1, tls=True) as c:

@@ -28,7 +28,6 @@ def ignored_signals(pid: int) -> set[int]:
     return {sig for sig in range(1, 65) if mask & (1 << (sig - 1))}
 
 
-@pytest.mark.unit
 def test_spawned_processes_start_with_default_sigint_and_sigterm():
     """A plain child and a Python child: neither ignores SIGINT or SIGTERM, and Python turns
     SIGINT into KeyboardInterrupt (it installs that handler only if SIGINT was not ignored)."""
@@ -47,6 +46,7 @@ def test_spawned_processes_start_with_default_sigint_and_sigterm():
     assert out.split() == ["True", "True"], out
 
 
+@pytest.mark.consul
 @pytest.mark.timeout(300)
 def test_ctrl_c_tests_pass_in_a_background_job_that_ignores_sigint():
     """The test command started as a script's background job, with SIGINT and SIGTERM ignored
