@@ -92,12 +92,19 @@ AGENT_FIXTURES = frozenset({"session_agent", "acl_agent", "tls_agent", "mtls_age
 NO_CONSUL_IN_UNIT_TESTS = "/nonexistent/a-unit-test-runs-no-consul--mark-it-pytest.mark.consul"
 
 
+#: The xdist group (``make test`` runs ``--dist loadgroup``) of every test that starts a
+#: multi-member cluster: one worker runs them all, so that one shared cluster (and one 127.X
+#: block, one set of ``ip rule`` partitions) exists at a time.
+CLUSTER_GROUP = "cluster"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The unit tier: every test that asks for no agent fixture (directly or through another
     fixture) and is marked neither ``consul`` (it runs the Consul binary by itself) nor
     ``slow`` (real torchrun jobs) gets the ``unit`` marker (``make unit``, ``pytest -m unit``).
-    A test marked ``unit`` by hand that needs an agent is a usage error."""
+    A test marked ``unit`` by hand that needs an agent is a usage error. Every test on the
+    shared cluster is in the :data:`CLUSTER_GROUP`."""
     for item in items:
         agents = sorted(AGENT_FIXTURES & set(item.fixturenames))
         other = [m for m in ("consul", "slow") if item.get_closest_marker(m)]
@@ -109,6 +116,8 @@ def pytest_collection_modifyitems(config, items):
                     "no agent. Remove the unit marker, or the agent from the test.")
         elif not agents and not other:
             item.add_marker(pytest.mark.unit)
+        if "consul_cluster" in item.fixturenames and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -105,6 +105,15 @@ def stays(predicate: Callable[[], bool], window: float, what: str) -> None:
         time.sleep(0.005)
 
 
+def signals_of(pid: int, kind: str) -> set[int]:
+    """The signals process ``pid`` blocks (``kind`` "SigBlk"), ignores ("SigIgn") or catches
+    ("SigCgt"), from /proc/PID/status (its main thread's mask for "SigBlk")."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines()
+                    if line.startswith(f"{kind}:")), 16)
+    return {sig for sig in range(1, 65) if mask & (1 << (sig - 1))}
+
+
 class RoundRecorder(threading.Thread):
     """Watches ``P/round/current`` and records every (round number, seal id) it ever holds."""
 

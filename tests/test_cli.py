@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from rdzv_nodes import HB, Cluster, wait_for
+from rdzv_nodes import HB, Cluster, signals_of, wait_for
 
 from consul_rdzv import __version__
 from consul_rdzv.cli import build_parser, fmt_duration, heartbeat_time, parse_duration
@@ -439,6 +439,10 @@ def _start_agent(*args: str) -> tuple[subprocess.Popen, list[str]]:
 
 
 def _stop_agent(proc: subprocess.Popen) -> str:
+    # The command prints the address, then blocks the stop signals to sigwait for them: a
+    # SIGTERM in between kills it (default disposition) and orphans its Consul agent.
+    wait_for(lambda: signal.SIGTERM in signals_of(proc.pid, "SigBlk"), 30,
+             "the agent command waiting for its stop signal")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     return proc.stderr.read()

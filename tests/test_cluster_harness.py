@@ -27,6 +27,9 @@ from consul_testing import (
     pick_loopback_block,
 )
 
+#: Each test starts clusters: in conftest.py's cluster group, one at a time on one xdist worker.
+pytestmark = pytest.mark.xdist_group("cluster")
+
 needs_partitions = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None,
     reason="network partitions need root and iproute2's `ip rule`",

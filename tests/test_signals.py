@@ -16,16 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from rdzv_nodes import signals_of
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def ignored_signals(pid: int) -> set[int]:
-    """The signals process ``pid`` ignores (``SigIgn`` of /proc/PID/status)."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    mask = int(next(line.split()[1] for line in status.splitlines()
-                    if line.startswith("SigIgn:")), 16)
-    return {sig for sig in range(1, 65) if mask & (1 << (sig - 1))}
 
 
 def test_spawned_processes_start_with_default_sigint_and_sigterm():
@@ -33,7 +26,7 @@ def test_spawned_processes_start_with_default_sigint_and_sigterm():
     SIGINT into KeyboardInterrupt (it installs that handler only if SIGINT was not ignored)."""
     child = subprocess.Popen(["sleep", "30"])
     try:
-        ignored = ignored_signals(child.pid)
+        ignored = signals_of(child.pid, "SigIgn")
     finally:
         child.kill()
         child.wait()
