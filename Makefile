@@ -27,7 +27,7 @@ CORE_TESTS := tests/test_client.py tests/test_rendezvous.py tests/test_cli.py \
 CORE_DESELECT := agent_restart or agent_down or frozen or coordinator_killed or killed_node \
 	or read_timeout_plus_retry
 
-.PHONY: demo test unit test-pythons lint consul bench dist smoke clean
+.PHONY: demo test test-main unit test-pythons lint consul bench dist smoke clean
 
 # consul_rdzv/__init__.py holds the version: reinstalling refreshes the editable metadata.
 $(BIN)/.installed: pyproject.toml consul_rdzv/__init__.py
@@ -52,10 +52,23 @@ lint: $(BIN)/.installed
 unit: $(BIN)/.installed
 	$(BIN)/python -m pytest -m unit -q
 
-# The main run requires torch: a torch that cannot be imported is one error, not skipped tests.
+# pytest-xdist workers of the main run (0: one process). Most tests wait on Consul, on
+# timeouts or on child processes, so 4 workers keep 2 cores busy; --dist loadgroup keeps the
+# tests of one xdist_group (those on the shared Consul cluster) on one worker, one at a time.
+TEST_WORKERS ?= 4
+
+# ruff, then the main run and the other CPython versions' runs at the same time (mostly
+# waiting, they take little CPU); each run's output is printed when it ends.
 test: consul lint
-	CONSUL_RDZV_REQUIRE_TORCH=1 $(BIN)/python -m pytest
-	@$(MAKE) --no-print-directory test-pythons
+	@$(MAKE) --no-print-directory -j$(words main $(OTHER_PYTHONS)) --output-sync=target \
+	    test-main test-pythons
+
+# The main run requires torch: a torch that cannot be imported is one error, not skipped tests.
+test-main: consul
+	@began=$$(date +%s); \
+	CONSUL_RDZV_REQUIRE_TORCH=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup \
+	    --durations=15 && \
+	echo "== main run: $$(( $$(date +%s) - began ))s"
 
 test-pythons: $(addprefix test-python-,$(OTHER_PYTHONS))
 

@@ -118,6 +118,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.unit)
         if "consul_cluster" in item.fixturenames and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP))
+    if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts alike
+        items.sort(key=_schedule_order)
+
+
+def _schedule_order(item: pytest.Item) -> int:
+    """The order xdist hands tests out: the longest first, so that no long test is left for
+    the end while the other workers idle. The cluster's group is one long chain; then the
+    torchrun jobs; then the other tests on agents; the unit tests fill the gaps."""
+    if item.get_closest_marker("xdist_group"):
+        return 0
+    if item.get_closest_marker("slow"):
+        return 1
+    return 3 if item.get_closest_marker("unit") else 2
 
 
 @pytest.hookimpl(hookwrapper=True)

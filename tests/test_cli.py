@@ -438,10 +438,17 @@ def _start_agent(*args: str) -> tuple[subprocess.Popen, list[str]]:
     return proc, lines
 
 
+def _waits_for_its_stop_signal(pid: int) -> bool:
+    """The command blocked the stop signals, or waits for them in sigwait (which unblocks the
+    signals it waits for while it waits: /proc shows them blocked only until then)."""
+    with open(f"/proc/{pid}/wchan") as wchan:
+        return "sigtimedwait" in wchan.read() or signal.SIGTERM in signals_of(pid, "SigBlk")
+
+
 def _stop_agent(proc: subprocess.Popen) -> str:
     # The command prints the address, then blocks the stop signals to sigwait for them: a
     # SIGTERM in between kills it (default disposition) and orphans its Consul agent.
-    wait_for(lambda: signal.SIGTERM in signals_of(proc.pid, "SigBlk"), 30,
+    wait_for(lambda: _waits_for_its_stop_signal(proc.pid), 30,
              "the agent command waiting for its stop signal")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
