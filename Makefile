@@ -58,7 +58,8 @@ unit: $(BIN)/.installed
 TEST_WORKERS ?= 4
 
 # ruff, then the main run and the other CPython versions' runs at the same time (mostly
-# waiting, they take little CPU); each run's output is printed when it ends.
+# waiting, they take little CPU); each run's output is printed when it ends (theirs from
+# .venv-X.Y/pytest.log).
 test: consul lint
 	@$(MAKE) --no-print-directory -j$(words main $(OTHER_PYTHONS)) --output-sync=target \
 	    test-main test-pythons
@@ -83,10 +84,14 @@ test-python-%: consul
 	    exit 0; \
 	fi; \
 	began=$$(date +%s); \
-	$(MAKE) --no-print-directory $(VENV)-$*/.installed && \
-	echo "== torch-free tests on $$($(VENV)-$*/bin/python --version)" && \
-	$(VENV)-$*/bin/python -m pytest -q $(CORE_TESTS) -k 'not ($(CORE_DESELECT))' && \
-	echo "== CPython $*: venv and tests in $$(( $$(date +%s) - began ))s"
+	$(MAKE) --no-print-directory $(VENV)-$*/.installed || exit; \
+	log=$(VENV)-$*/pytest.log; \
+	$(VENV)-$*/bin/python -m pytest -q $(CORE_TESTS) -k 'not ($(CORE_DESELECT))' >$$log 2>&1; \
+	status=$$?; \
+	echo "== torch-free tests on $$($(VENV)-$*/bin/python --version)"; \
+	cat $$log; \
+	echo "== CPython $*: venv and tests in $$(( $$(date +%s) - began ))s"; \
+	exit $$status
 
 $(VENV)-%/.installed: pyproject.toml consul_rdzv/__init__.py
 	@py=$$(tools/find-python $*) && echo "creating $(VENV)-$* with $$py" && \

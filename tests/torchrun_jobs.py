@@ -28,7 +28,7 @@ from rdzv_nodes import wait_for
 
 #: The training script, found as ``consul-rdzv demo`` finds it: in the installed package.
 TRAIN = Path(str(importlib.resources.files("consul_rdzv") / "examples" / "train.py"))
-#: torchrun with a lowered exit-barrier timeout (``exit_barrier=`` below)
+#: torchrun with a lowered exit-barrier timeout (``exit_barrier=`` below) or a start gate
 LAUNCHER = Path(__file__).resolve().parent / "torchrun_launcher.py"
 
 #: torch's log line prefix: ``I1203 04:51:24.873000 13557 torch/...py:553] ...``
@@ -97,11 +97,11 @@ class TorchrunJob:
 
     # ------------------------------------------------------------------ processes
 
-    def command(self, node_id: str, **conf) -> list[str]:
+    def command(self, node_id: str, *, launcher: list[str] | None = None, **conf) -> list[str]:
         values = {**self.rdzv_conf, "node_id": node_id, **conf}
         rdzv_conf = ",".join(f"{k}={v}" for k, v in values.items())
         return [
-            sys.executable, *self.launcher,
+            sys.executable, *(launcher or self.launcher),
             f"--nnodes={self.nnodes}", "--nproc-per-node=1",
             "--rdzv-backend=consul", f"--rdzv-id={self.run_id}",
             f"--rdzv-endpoint={self.endpoint}", "--local-addr=127.0.0.1",
@@ -111,15 +111,29 @@ class TorchrunJob:
             *self.train_args,
         ]
 
-    def start(self, node_id: str, **conf) -> Agent:
+    def start(self, node_id: str, *, gated: bool = False, **conf) -> Agent:
+        """Start the agent of ``node_id``; ``gated``: it imports torch, then waits for
+        :meth:`open_gate` before it runs (tests/torchrun_launcher.py)."""
         log_path = self.workdir / f"agent-{node_id}.log"
+        env, launcher = self.env, None
+        if gated:
+            env = {**self.env, "CONSUL_RDZV_TEST_START_GATE": str(self._gate(node_id))}
+            launcher = [str(LAUNCHER)]
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(self.command(node_id, **conf), env=self.env, stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    cwd=self.workdir, start_new_session=True)
+            proc = subprocess.Popen(self.command(node_id, launcher=launcher, **conf), env=env,
+                                    stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, cwd=self.workdir,
+                                    start_new_session=True)
         agent = Agent(node_id, proc, log_path)
         self.agents.append(agent)
         return agent
+
+    def _gate(self, node_id: str) -> Path:
+        return self.workdir / f"gate-{node_id}"
+
+    def open_gate(self, agent: Agent) -> None:
+        """Let a gated agent run."""
+        self._gate(agent.name).touch()
 
     def wait(self, timeout: float, agents: list[Agent] | None = None) -> dict[str, int | None]:
         """Wait until the agents exit or ``timeout`` passes; exit codes (None: still running)."""
