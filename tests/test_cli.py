@@ -27,17 +27,19 @@ from consul_rdzv.layout import Round
 from consul_rdzv.rendezvous import ConsulRendezvous
 from consul_rdzv.testing import free_port
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(600)  # a hang guard: CLI_DEADLINE per command
 
 CLI = [sys.executable, "-m", "consul_rdzv.cli"]
-#: How long a test waits for a CLI process's first output (its interpreter starting on a
-#: loaded machine), and how long a node waits for a round the test completes later.
+#: How long a test waits for a CLI process's first output and for a whole command (deadlines
+#: for an interpreter starting on a loaded machine, not claims about speed), and how long a
+#: node waits for a round the test completes later.
 FIRST_OUTPUT = 60
+CLI_DEADLINE = 120
 LONG_WAIT = 600.0
 
 
 def cli(*args: str, env: dict[str, str] | None = None,
-        timeout: float = 30) -> subprocess.CompletedProcess:
+        timeout: float = CLI_DEADLINE) -> subprocess.CompletedProcess:
     """One ``consul-rdzv`` command; the environment is the test's (CONSUL_HTTP_ADDR from the
     ``agent`` fixture, or the conftest's address where nothing listens)."""
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
@@ -265,7 +267,7 @@ def test_watch_prints_a_frame_per_change_and_stops_at_its_timeout(agent, nodes, 
                            "a frame of the sealed round")
         sealed = json.loads(line)
         assert sorted(n["node"] for n in sealed["nodes"]) == ["node-a", "node-b"]
-        assert proc.wait(timeout=20) == 0, proc.stderr.read()
+        assert proc.wait(timeout=CLI_DEADLINE) == 0, proc.stderr.read()
         ended = time.monotonic()
         assert ended - started >= 8, ended - started
         assert ended - watching < 16, ended - watching
@@ -281,13 +283,13 @@ def test_watch_shows_nothing_new_while_its_queries_time_out_on_a_healthy_run(age
     training(nodes, 1)
     proc = subprocess.run([*CLI, "watch", nodes.run_id, "--key-prefix", prefix, "--json",
                            "--wait", "1", "--timeout", "6"], capture_output=True, text=True,
-                          timeout=30)
+                          timeout=CLI_DEADLINE)
     assert proc.returncode == 0, proc.stderr
     frames = [json.loads(line) for line in proc.stdout.splitlines()]
     assert len(frames) == 1, frames
     assert frames[0]["state"] == "training"
     bad = subprocess.run([*CLI, "watch", nodes.run_id, "--key-prefix", prefix, "--wait", "11m"],
-                         capture_output=True, text=True, timeout=30)
+                         capture_output=True, text=True, timeout=CLI_DEADLINE)
     assert bad.returncode == 2 and "at most 10 minutes" not in bad.stdout, bad
     assert "--wait 660s: give 1s to 10m" in bad.stderr, bad.stderr
 
@@ -302,7 +304,7 @@ def test_watch_text_frames_and_ctrl_c_exits_0(agent, nodes, prefix):
         assert f"{nodes.run_id}: training, round 1, world 1" in head, head
         lines.until(lambda line: "RANK" in line, 30, "the rank table")
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 0
+        assert proc.wait(timeout=CLI_DEADLINE) == 0
         assert "Traceback" not in proc.stderr.read()
     finally:
         proc.kill()
@@ -461,7 +463,7 @@ def _stop_agent(proc: subprocess.Popen) -> str:
                  "the agent command waiting for its stop signal")
     finally:
         proc.send_signal(signal.SIGTERM)  # (even after a failure: leave no agent behind)
-    assert proc.wait(timeout=30) == 0
+    assert proc.wait(timeout=CLI_DEADLINE) == 0
     return proc.stderr.read()
 
 
