@@ -171,7 +171,14 @@ class NodeMetrics:
                 return []
 
         reg.register(_Waiting())
-        self.server, self._thread = prom.start_http_server(port, addr=host, registry=reg)
+        try:
+            self.server, self._thread = prom.start_http_server(port, addr=host, registry=reg)
+        except OSError as exc:
+            raise ValueError(
+                f"metrics_port={port}: node {node_id} cannot serve its metrics on {host}:{port} "
+                f"({exc.strerror or exc}). Choose another metrics_port (0: any free port) or "
+                "a metrics_host of this machine."
+            ) from None
         self.host = host
         self.port = int(self.server.server_port)
         logger.info("Node %s of run %s serves its metrics on http://%s:%d/metrics.", node_id,

@@ -75,6 +75,18 @@ def test_without_the_client_library_metrics_port_says_how_to_install_it(monkeypa
         node_metrics.NodeMetrics("j", "n", port=0, host="127.0.0.1")
 
 
+def test_a_metrics_port_in_use_is_one_clear_error():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"metrics_port={port}: node n cannot serve its "
+                           rf"metrics on 127\.0\.0\.1:{port} .*Choose another metrics_port"):
+            node_metrics.NodeMetrics("j", "n", port=port, host="127.0.0.1")
+
+
 def test_label_values_are_bounded():
     assert node_metrics.endpoint_of("/v1/kv/a/b/c") == "kv"
     assert node_metrics.endpoint_of("/v1/agent/check/pass/x") == "agent"
@@ -183,16 +195,16 @@ class Exporter:
     def scrape(self) -> Samples:
         return scrape(self.port)
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
+    def stop(self) -> int:
+        self.proc.terminate()  # SIGTERM: it stops serving and exits 0
+        return self.proc.wait(timeout=10)
 
 
 @pytest.fixture
 def fleet_exporter(agent, prefix):
     e = Exporter(agent, prefix)
     yield e
-    e.stop()
+    assert e.stop() == 0
 
 
 def test_both_endpoints_move_as_a_real_job_does(nodes, fleet_exporter, run_id):

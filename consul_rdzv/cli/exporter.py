@@ -16,7 +16,9 @@ runs present in Consul (``consul-rdzv gc`` removes the ended ones).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -148,7 +150,7 @@ def _gauge(name: str, text: str, labels: list[str],
 
 
 def cmd_exporter(args: argparse.Namespace) -> int:
-    """``exporter``: serve the fleet's metrics until Ctrl-C (or ``--timeout``)."""
+    """``exporter``: serve the fleet's metrics until Ctrl-C or SIGTERM (or ``--timeout``)."""
     _check_run_id(args)
     try:
         import prometheus_client
@@ -170,8 +172,11 @@ def cmd_exporter(args: argparse.Namespace) -> int:
     port = server.server_port
     print(f"consul-rdzv exporter: serving http://{args.bind}:{port}/metrics (the runs under "
           f"{args.key_prefix}/ in Consul at {reader.url}); Ctrl-C stops", flush=True)
+    stop = threading.Event()
+    with contextlib.suppress(ValueError):  # not the main thread: Ctrl-C and --timeout only
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        threading.Event().wait(args.timeout)
+        stop.wait(args.timeout)
     finally:
         server.shutdown()
         server.server_close()
