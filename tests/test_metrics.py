@@ -336,3 +336,25 @@ def test_the_exporter_refuses_a_busy_port(agent, prefix):
              "--timeout", "5"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1, out
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "--port" in out.stderr
+
+
+def test_under_torch_a_rendezvous_is_timed_once_from_next_rendezvous_to_its_return(
+        agent, prefix, run_id, make_handler):
+    """Through torch's registry, with --rdzv-conf's metrics keys: one histogram sample per
+    next_rendezvous() (the meeting at the trainer store included), and a second one after the
+    node's own restart (cause local: nothing broke the round, nobody waits)."""
+    handler = make_handler(agent.address, run_id, prefix, metrics_port="0",
+                           metrics_host="127.0.0.1")
+    m = handler.rendezvous.metrics
+    assert m is not None
+    handler.next_rendezvous()
+    s = scrape(m.port)
+    assert value(s, "consul_rdzv_rendezvous_duration_seconds_count") == 1
+    assert value(s, "consul_rdzv_rounds_joined_total") == 1
+    assert value(s, "consul_rdzv_world_size") == 1
+    handler.next_rendezvous()
+    s = scrape(m.port)
+    assert value(s, "consul_rdzv_rendezvous_duration_seconds_count") == 2
+    assert value(s, "consul_rdzv_restarts_total", cause="local") == 1
+    assert value(s, "consul_rdzv_restarts_total") == 1
+    assert value(s, "consul_rdzv_round") == 2
