@@ -75,6 +75,16 @@ def test_without_the_client_library_metrics_port_says_how_to_install_it(monkeypa
         node_metrics.NodeMetrics("j", "n", port=0, host="127.0.0.1")
 
 
+def test_the_exporter_without_the_client_library_says_how_to_install_it(monkeypatch, capsys):
+    from consul_rdzv.cli import main
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails
+    assert main(["exporter", "--port", "0", "--bind", "127.0.0.1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("consul-rdzv exporter: the exporter needs the Prometheus client")
+    assert "pip install 'consul-rdzv[metrics]'" in err
+
+
 def test_a_metrics_port_in_use_is_one_clear_error():
     import socket
 
