@@ -66,7 +66,7 @@ from .runs import OUTCOME_FINISHED as OUTCOME_FINISHED
 from .service import NODE_ID_RULE, training_meta, training_note, valid_node_id
 from .settings import RendezvousSettings
 from .standing import Standing
-from .watch import RoundWatch, WatchedRound
+from .watch import RoundWatch, WatchedRound, why_over
 
 logger = logging.getLogger(__name__)
 
@@ -178,10 +178,9 @@ class ConsulRendezvous:
         reason = self.standing.broken_reason if self.standing.broken else ""
         if self.registration.lost or reason.startswith(OUT_OF_ROUND):
             return "health"
-        if "gone: " in reason:
-            return "departure"
-        if "asking for a new round" in reason:
-            return "rejoin"
+        over = why_over(reason)
+        if over is not None:
+            return over
         if self.standing.waiting() > 0:
             return "spare"
         return "local"

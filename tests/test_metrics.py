@@ -85,6 +85,17 @@ def test_the_exporter_without_the_client_library_says_how_to_install_it(monkeypa
     assert "pip install 'consul-rdzv[metrics]'" in err
 
 
+def test_the_restart_cause_is_read_from_the_watchs_reason():
+    from consul_rdzv.watch import Action, Judgement, why_over
+
+    assert why_over(Judgement(Action.OVER, gone=("b", "c")).reason) == "departure"
+    assert why_over(Judgement(Action.OVER, asking=True).reason) == "rejoin"
+    assert why_over("gone: b; asking for a new round: c") == "departure"
+    assert why_over("asking for a new round: c") == "rejoin"
+    assert why_over("this node is out of its round: its check is gone") is None
+    assert why_over("") is None
+
+
 def test_a_metrics_port_in_use_is_one_clear_error():
     import socket
 
@@ -219,8 +230,8 @@ def fleet_exporter(agent, prefix):
 
 def test_both_endpoints_move_as_a_real_job_does(nodes, fleet_exporter, run_id):
     """Three nodes train; one leaves (a departure: the run re-forms); a spare arrives (the
-    others restart to admit it); a node loses its session. After each step the nodes' and the
-    exporter's values say so."""
+    others restart to admit it); one asks for a new round (a rejoin); a node loses its session
+    (health). After each step the nodes' and the exporter's values say so."""
     settings = nodes.settings(min_nodes=2, max_nodes=4, last_call_timeout=0.3,
                               metrics_port=0, metrics_host="127.0.0.1")
     a, b, c = (nodes.node(n, settings) for n in "abc")
@@ -303,6 +314,16 @@ def test_both_endpoints_move_as_a_real_job_does(nodes, fleet_exporter, run_id):
     assert value(s, "consul_rdzv_waiting_seconds") == 0
     assert value(s, "consul_rdzv_waited_seconds_total") > 0.2
     assert value(s, "consul_rdzv_restarts_total") == 0
+
+    # d asks for a new round on its own (as torchrun does after its workers failed): d counts
+    # a local restart, a and b a rejoin
+    pending = nodes.start([d])
+    wait_for(lambda: a.num_nodes_waiting() >= 1 and b.num_nodes_waiting() >= 1, 10,
+             "a and b see d ask for a new round")
+    nodes.gather({**pending, **nodes.start([a, b])}, timeout=30)
+    assert value(node(d), "consul_rdzv_restarts_total", cause="local") == 1
+    for n in (a, b):
+        assert value(node(n), "consul_rdzv_restarts_total", cause="rejoin") == 1
 
     # a's session is destroyed from outside: a counts a session loss, then a health restart
     nodes.admin.session_destroy(a.session_id)
