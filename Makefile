@@ -27,7 +27,7 @@ CORE_TESTS := tests/test_client.py tests/test_rendezvous.py tests/test_cli.py \
 CORE_DESELECT := agent_restart or agent_down or frozen or coordinator_killed or killed_node \
 	or read_timeout_plus_retry
 
-.PHONY: demo test test-pythons lint consul bench dist smoke clean
+.PHONY: demo test test-main unit test-pythons lint consul bench dist smoke clean
 
 # consul_rdzv/__init__.py holds the version: reinstalling refreshes the editable metadata.
 $(BIN)/.installed: pyproject.toml consul_rdzv/__init__.py
@@ -47,10 +47,30 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# The main run requires torch: a torch that cannot be imported is one error, not skipped tests.
+# The unit tier: every test that needs no Consul (tests/conftest.py marks them `unit`), in
+# seconds, without the Consul binary (a unit test that would start Consul fails, naming the
+# marker it lacks).
+unit: $(BIN)/.installed
+	$(BIN)/python -m pytest -m unit -q
+
+# pytest-xdist workers of the main run (0: one process). Most tests wait on Consul, on
+# timeouts or on child processes, so 4 workers keep 2 cores busy; --dist loadgroup keeps the
+# tests of one xdist_group (those on the shared Consul cluster) on one worker, one at a time.
+TEST_WORKERS ?= 4
+
+# ruff, then the main run and the other CPython versions' runs at the same time (mostly
+# waiting, they take little CPU); each run's output is printed when it ends (theirs from
+# .venv-X.Y/pytest.log).
 test: consul lint
-	CONSUL_RDZV_REQUIRE_TORCH=1 $(BIN)/python -m pytest
-	@$(MAKE) --no-print-directory test-pythons
+	@$(MAKE) --no-print-directory -j$(words main $(OTHER_PYTHONS)) --output-sync=target \
+	    test-main test-pythons
+
+# The main run requires torch: a torch that cannot be imported is one error, not skipped tests.
+test-main: consul
+	@began=$$(date +%s); \
+	CONSUL_RDZV_REQUIRE_TORCH=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup \
+	    --durations=15 && \
+	echo "== main run: $$(( $$(date +%s) - began ))s"
 
 test-pythons: $(addprefix test-python-,$(OTHER_PYTHONS))
 
@@ -65,10 +85,14 @@ test-python-%: consul
 	    exit 0; \
 	fi; \
 	began=$$(date +%s); \
-	$(MAKE) --no-print-directory $(VENV)-$*/.installed && \
-	echo "== torch-free tests on $$($(VENV)-$*/bin/python --version)" && \
-	$(VENV)-$*/bin/python -m pytest -q $(CORE_TESTS) -k 'not ($(CORE_DESELECT))' && \
-	echo "== CPython $*: venv and tests in $$(( $$(date +%s) - began ))s"
+	$(MAKE) --no-print-directory $(VENV)-$*/.installed || exit; \
+	log=$(VENV)-$*/pytest.log; \
+	$(VENV)-$*/bin/python -m pytest -q $(CORE_TESTS) -k 'not ($(CORE_DESELECT))' >$$log 2>&1; \
+	status=$$?; \
+	echo "== torch-free tests on $$($(VENV)-$*/bin/python --version)"; \
+	cat $$log; \
+	echo "== CPython $*: venv and tests in $$(( $$(date +%s) - began ))s"; \
+	exit $$status
 
 $(VENV)-%/.installed: pyproject.toml consul_rdzv/__init__.py
 	@py=$$(tools/find-python $*) && echo "creating $(VENV)-$* with $$py" && \

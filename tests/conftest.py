@@ -1,12 +1,34 @@
-"""Fixtures: real Consul agents (dev, ACL, TLS, mTLS), a real multi-member Consul cluster (both
-from consul_testing/, the harness at the repository's root), a unique KV prefix per test, and the
-agents' logs attached to the report of a failing test."""
+"""The tests' one vocabulary of fixtures, and the agents' logs attached to the report of a
+failing test.
+
+Consul (real agents from consul_testing/, the harness at the repository's root):
+
+* ``session_agent``, ``acl_agent``, ``tls_agent``, ``mtls_agent``: dev agents shared by the
+  session; ``agent``: the shared dev agent with CONSUL_HTTP_ADDR pointing at it; ``consul``: a
+  client of it; ``fresh_agent``: a dev agent of the test's own (to stop, restart or freeze).
+* ``consul_cluster``: a real cluster (3 servers, 2 client agents) shared by the session;
+  ``cluster``: the same, healthy at the start of the test and restored after it.
+
+A run (tests/rdzv_nodes.py, tests/torch_handlers.py):
+
+* ``prefix``: a KV prefix of the test's own; ``run_id``: a run id of its own (``run-<prefix>``).
+* ``nodes``: the nodes of the test's run (:class:`rdzv_nodes.Cluster`: threads and processes)
+  on ``agent``; ``fresh_nodes`` on ``fresh_agent``; ``cluster_nodes`` on ``cluster``.
+* ``make_handler``: torchrun's handlers through torch's registry (imports torch).
+
+Waiting: :func:`rdzv_nodes.wait_for` and :func:`rdzv_nodes.stays`, never fixed sleeps.
+
+Tiers: every test that asks for no agent fixture and is marked neither ``consul`` nor ``slow``
+is marked ``unit`` here (``make unit``: no Consul, in seconds; tests/test_unit_tier.py).
+"""
 
 from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -15,6 +37,8 @@ import pytest
 # The harness (consul_testing/) is not installed: it lives at the repository's root.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rdzv_nodes import Cluster
+
 from consul_testing import ConsulAgent, ConsulCluster
 
 #: Where CONSUL_HTTP_ADDR points when a test asked for no agent: a port nothing listens on, so
@@ -22,7 +46,27 @@ from consul_testing import ConsulAgent, ConsulCluster
 NOWHERE = "127.0.0.1:9"
 
 
+def _default_signal_dispositions() -> None:
+    """SIGINT and SIGTERM back to their defaults if the test command started with them ignored
+    (a script's background job ignores SIGINT): an ignored signal stays ignored across exec,
+    so every process the tests start (torchrun agents, node processes, CLI runs) would ignore
+    the Ctrl-C or SIGTERM a test sends it. A handled signal is reset to its default at exec:
+    SIGINT gets Python's own handler (KeyboardInterrupt) here, SIGTERM its default
+    (tests/test_signals.py)."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # (a worker thread cannot set handlers; its process inherited them)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def pytest_configure(config):
+    _default_signal_dispositions()
+    _require_torch()
+
+
+def _require_torch():
     """``make test`` sets CONSUL_RDZV_REQUIRE_TORCH=1 on the main interpreter: there a torch that
     cannot be imported is one error before any test runs, so no torch test is lost to a skip or
     hidden among import errors. The torch-free runs on other interpreters leave it unset."""
@@ -36,6 +80,74 @@ def pytest_configure(config):
             "(make test installs the CPU wheel from ../shared/wheels into .venv), or unset "
             "CONSUL_RDZV_REQUIRE_TORCH to run only the torch-free tests."
         ) from exc
+
+
+# ------------------------------------------------------------------------------ the unit tier
+
+#: The fixtures that start Consul agents; every agent fixture depends on one of them.
+AGENT_FIXTURES = frozenset({"session_agent", "acl_agent", "tls_agent", "mtls_agent",
+                            "fresh_agent", "consul_cluster"})
+#: What CONSUL_BIN says during a unit test: no Consul binary there, so that a unit test that
+#: would start Consul (itself or through a child process) fails, naming the marker it lacks.
+NO_CONSUL_IN_UNIT_TESTS = "/nonexistent/a-unit-test-runs-no-consul--mark-it-pytest.mark.consul"
+
+
+#: The xdist group (``make test`` runs ``--dist loadgroup``) of every test that starts a
+#: multi-member cluster: one worker runs them all, so that one shared cluster (and one 127.X
+#: block, one set of ``ip rule`` partitions) exists at a time.
+CLUSTER_GROUP = "cluster"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The unit tier: every test that asks for no agent fixture (directly or through another
+    fixture) and is marked neither ``consul`` (it runs the Consul binary by itself) nor
+    ``slow`` (real torchrun jobs) gets the ``unit`` marker (``make unit``, ``pytest -m unit``).
+    A test marked ``unit`` by hand that needs an agent is a usage error. Every test on the
+    shared cluster is in the :data:`CLUSTER_GROUP`."""
+    for item in items:
+        agents = sorted(AGENT_FIXTURES & set(item.fixturenames))
+        other = [m for m in ("consul", "slow") if item.get_closest_marker(m)]
+        if item.get_closest_marker("unit"):
+            if agents or other:
+                raise pytest.UsageError(
+                    f"{item.nodeid} is marked unit but needs Consul "
+                    f"({', '.join(agents + [f'marked {m}' for m in other])}): a unit test runs "
+                    "no agent. Remove the unit marker, or the agent from the test.")
+        elif not agents and not other:
+            item.add_marker(pytest.mark.unit)
+        if "consul_cluster" in item.fixturenames and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP))
+    if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts alike
+        items.sort(key=_schedule_order)
+
+
+def _schedule_order(item: pytest.Item) -> int:
+    """The order xdist hands tests out: the longest first, so that no long test is left for
+    the end while the other workers idle. The cluster's group is one long chain; then the
+    torchrun jobs; then the other tests on agents; the unit tests fill the gaps."""
+    if item.get_closest_marker("xdist_group"):
+        return 0
+    if item.get_closest_marker("slow"):
+        return 1
+    return 3 if item.get_closest_marker("unit") else 2
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A unit test, its fixtures included, runs with CONSUL_BIN naming no binary."""
+    if not item.get_closest_marker("unit"):
+        yield
+        return
+    saved = os.environ.get("CONSUL_BIN")
+    os.environ["CONSUL_BIN"] = NO_CONSUL_IN_UNIT_TESTS
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CONSUL_BIN", None)
+        else:
+            os.environ["CONSUL_BIN"] = saved
 
 
 @pytest.fixture(autouse=True)
@@ -113,9 +225,54 @@ def consul(agent):
 
 
 @pytest.fixture
-def prefix(request):
+def prefix():
     """A KV prefix of this test's own."""
     return f"test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def run_id(prefix):
+    """A run id of this test's own (service ids are per agent, not per key prefix), the one
+    its ``nodes`` use."""
+    return f"run-{prefix}"
+
+
+def _nodes(agent, prefix: str, run_id: str, log_dir: Path):
+    c = Cluster(agent, prefix, log_dir, run_id=run_id)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture
+def nodes(agent, prefix, run_id, tmp_path):
+    """The nodes of this test's run on the shared dev agent: ``ConsulRendezvous`` threads and
+    node processes, left, killed and cleaned up after the test."""
+    yield from _nodes(agent, prefix, run_id, tmp_path)
+
+
+@pytest.fixture
+def fresh_nodes(fresh_agent, prefix, run_id, tmp_path):
+    """``nodes`` on a dev agent of this test's own (``fresh_agent``)."""
+    yield from _nodes(fresh_agent, prefix, run_id, tmp_path)
+
+
+@pytest.fixture
+def cluster_nodes(cluster, prefix, run_id, tmp_path):
+    """``nodes`` on the cluster: their own reads (and the seal recorder) go through client
+    agent 1, which no test harms; a node gets the client of its own agent from the test."""
+    yield from _nodes(cluster.clients[1], prefix, run_id, tmp_path)
+
+
+@pytest.fixture
+def make_handler():
+    """``make_handler(endpoint, run_id, prefix, *, min_nodes=1, max_nodes=1, fast=True,
+    **conf)``: a torchrun handler built through torch's registry
+    (:class:`torch_handlers.HandlerFactory`); each leaves (never closes) at teardown."""
+    from torch_handlers import HandlerFactory  # imports torch: only for the tests that ask
+
+    factory = HandlerFactory()
+    yield factory
+    factory.leave_all()
 
 
 @pytest.hookimpl(hookwrapper=True)

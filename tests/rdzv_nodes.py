@@ -75,15 +75,25 @@ def one(results: Mapping[str, RoundResult]) -> RoundResult:
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str,
-             interval: float = 0.01) -> object:
-    """Poll ``predicate`` until it is truthy; fail after ``timeout`` seconds."""
+             interval: float = 0.01, *, ignore: tuple[type[BaseException], ...] = (),
+             detail: Callable[[], str] | None = None) -> object:
+    """Poll ``predicate`` every ``interval`` seconds until it is truthy and return its value;
+    fail after ``timeout`` seconds, saying ``what`` was awaited, the last value, and
+    ``detail()`` (e.g. the logs of the processes involved). An exception of a class in
+    ``ignore`` (e.g. Consul still down) counts as false. The one wait helper of the tests:
+    poll what asks Consul or reads files less often (``interval`` 0.05-0.1)."""
     deadline = time.monotonic() + timeout
     while True:
-        value = predicate()
-        if value:
-            return value
+        try:
+            value = predicate()
+        except ignore as exc:
+            value = exc
+        else:
+            if value:
+                return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"still false after {timeout:g}s: {what}")
+            message = f"still false after {timeout:g}s: {what} (last value: {value!r:.300})"
+            raise AssertionError(message + (f"\n{detail()}" if detail is not None else ""))
         time.sleep(interval)
 
 
@@ -93,6 +103,15 @@ def stays(predicate: Callable[[], bool], window: float, what: str) -> None:
     while time.monotonic() < end:
         assert predicate(), what
         time.sleep(0.005)
+
+
+def signals_of(pid: int, kind: str) -> set[int]:
+    """The signals process ``pid`` blocks (``kind`` "SigBlk"), ignores ("SigIgn") or catches
+    ("SigCgt"), from /proc/PID/status (its main thread's mask for "SigBlk")."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines()
+                    if line.startswith(f"{kind}:")), 16)
+    return {sig for sig in range(1, 65) if mask & (1 << (sig - 1))}
 
 
 class RoundRecorder(threading.Thread):
@@ -213,12 +232,14 @@ class NodeProcess:
 
 
 class Cluster:
-    """The nodes of one test's run: settings, threads, processes and cleanup."""
+    """The nodes of one test's run: settings, threads, processes and cleanup (the ``nodes``
+    fixtures of tests/conftest.py). ``run_id`` defaults to the ``run_id`` fixture's
+    ``run-<prefix>``: unique per test, as service ids are per agent, not per key prefix."""
 
-    def __init__(self, agent, prefix: str, log_dir: Path) -> None:
+    def __init__(self, agent, prefix: str, log_dir: Path, *, run_id: str | None = None) -> None:
         self.agent = agent
         self.prefix = prefix
-        self.run_id = f"run-{prefix}"  # unique per test: service ids are per agent, not prefix
+        self.run_id = run_id or f"run-{prefix}"
         self.log_dir = log_dir
         self.admin = agent.client()
         self.keys = Keys(f"{prefix}/{self.run_id}")

@@ -36,9 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from rdzv_nodes import wait_for
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
-from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from torchrun_jobs import TorchrunJob
 
 from consul_rdzv.torch import ConsulRendezvousHandler
@@ -52,10 +51,7 @@ TEAM = "<team>"
 #: One rule block of an HCL policy: ``kind "name" { ... }`` (no nested blocks in a rule).
 _BLOCK = re.compile(r'^(?P<kind>[a-z_]+)\s+"(?P<name>[^"]*)"\s*\{[^{}]*\}[ \t]*\n?', re.MULTILINE)
 
-#: Short timeouts, as strings (what torchrun's --rdzv-conf parser produces).
-FAST = {"heartbeat_timeout": "2", "last_call_timeout": "1", "join_timeout": "30",
-        "close_timeout": "5", "consul_timeout": "5"}
-#: A node refused by Consul must fail within this (join_timeout is 30 s).
+#: A node refused by Consul must fail within this (join_timeout is 30 s in torch_handlers.FAST).
 FAIL_FAST = 10.0
 
 
@@ -135,31 +131,16 @@ def acl(acl_agent):
 
 
 @pytest.fixture
-def run_id() -> str:
-    return f"acl-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def make_handler(acl_agent, monkeypatch):
-    """A node of ``run_id`` with the default key prefix and service name, whose token is
-    ``token`` (through CONSUL_HTTP_TOKEN, as torchrun's nodes get it); left at teardown."""
-    made: list[ConsulRendezvousHandler] = []
+def acl_node(acl_agent, make_handler, monkeypatch):
+    """``acl_node(run_id, token)``: a node of ``run_id`` with the default key prefix and
+    service name, whose token is ``token`` (through CONSUL_HTTP_TOKEN, as torchrun's nodes get
+    it); left at teardown."""
 
     def make(run_id: str, token: str) -> ConsulRendezvousHandler:
         monkeypatch.setenv("CONSUL_HTTP_TOKEN", token)
-        params = RendezvousParameters(backend="consul", endpoint=acl_agent.address,
-                                      run_id=run_id, min_nodes=1, max_nodes=1,
-                                      local_addr="127.0.0.1", node_id="node-a", **FAST)
-        handler = get_rendezvous_handler(params)
-        assert type(handler) is ConsulRendezvousHandler, type(handler)
-        made.append(handler)
-        return handler
+        return make_handler(acl_agent.address, run_id, None, node_id="node-a")
 
-    yield make
-    for handler in made:
-        rdzv = handler.rendezvous
-        rdzv.settings = rdzv.settings.with_(close_timeout=3)
-        rdzv.leave()
+    return make
 
 
 def refused(handler: ConsulRendezvousHandler) -> str:
@@ -271,10 +252,8 @@ def test_torchrun_job_succeeds_with_a_token_holding_only_the_shipped_policy(acl_
             f"torchelastic/{run_id}/round/current"]
         kept = management.kv_get(f"torchelastic/{run_id}/round/current").data
         assert kept.session and management.session_info(kept.session)["TTL"] == "600s"
-        deadline = time.monotonic() + 10
-        while management.catalog_service(service) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert management.catalog_service(service) == []
+        wait_for(lambda: management.catalog_service(service) == [], 10,
+                 "the job's service gone from the catalog", 0.1)
         # Consul logs every denied request with the token's AccessorID: none for this one.
         assert token["AccessorID"] not in acl_agent.log_text(10**7)
         print(f"2-node torchrun job with only the shipped ACL policy finished in {took:.1f}s")
@@ -287,13 +266,13 @@ def test_torchrun_job_succeeds_with_a_token_holding_only_the_shipped_policy(acl_
 
 @pytest.mark.parametrize("index", range(3), ids=["rule-1", "rule-2", "rule-3"])
 def test_policy_without_one_rule_fails_fast_naming_it_as_shipped(acl_agent, acl, run_id,
-                                                                 make_handler, index):
+                                                                 acl_node, index):
     policy = shipped_policy(acl_agent.node_name)
     blocks = rule_blocks(policy)
     assert len(blocks) == 3
     block = blocks[index]
     token = acl.token(without_block(policy, block))
-    text = refused(make_handler(run_id, token["SecretID"]))
+    text = refused(acl_node(run_id, token["SecretID"]))
     # The rule as the file ships it (the form that covers every run), with its access; for a
     # session, the exact rule for the denied node and the file's prefix rule ...
     if block["kind"] == "session_prefix":
@@ -312,7 +291,7 @@ def test_policy_without_one_rule_fails_fast_naming_it_as_shipped(acl_agent, acl,
 
 
 def test_policy_whose_key_rule_only_reads_fails_fast_naming_the_write_rule(acl_agent, acl, run_id,
-                                                                           make_handler):
+                                                                           acl_node):
     policy = shipped_policy(acl_agent.node_name)
     key = next(b for b in rule_blocks(policy) if b["kind"] == "key_prefix")
     text = _strip_comments(policy)
@@ -320,13 +299,13 @@ def test_policy_whose_key_rule_only_reads_fails_fast_naming_the_write_rule(acl_a
                + text[key.end():])
     assert reduced.count('"read"') == 1
     token = acl.token(reduced)
-    message = refused(make_handler(run_id, token["SecretID"]))
+    message = refused(acl_node(run_id, token["SecretID"]))
     assert f"lacks permission 'key:write' on \"{key['name']}{run_id}/members/node-a\"" in message
     assert f'{rule_header(key)} {{ policy = "write" }}' in message, message
 
 
-def test_unknown_token_is_reported_as_unknown_not_as_a_missing_permission(run_id, make_handler):
-    text = refused(make_handler(run_id, str(uuid.uuid4())))
+def test_unknown_token_is_reported_as_unknown_not_as_a_missing_permission(run_id, acl_node):
+    text = refused(acl_node(run_id, str(uuid.uuid4())))
     assert "ACL not found" in text, text
     assert "token is unknown to this Consul" in text, text
     assert "expired, deleted, or created in another Consul cluster" in text, text
@@ -337,18 +316,18 @@ def test_unknown_token_is_reported_as_unknown_not_as_a_missing_permission(run_id
 
 
 def test_policy_used_without_its_node_prefix_is_refused_naming_the_node_rule(acl_agent, acl,
-                                                                             run_id, make_handler):
+                                                                             run_id, acl_node):
     """The file as is, its placeholder not put in: no session anywhere. The node fails at once
     with the exact rule for its agent's node and the file's prefix rule."""
     token = acl.token(shipped_file())
-    text = refused(make_handler(run_id, token["SecretID"]))
+    text = refused(acl_node(run_id, token["SecretID"]))
     assert f"lacks permission 'session:write' on \"{acl_agent.node_name}\"" in text, text
     assert f'Add the rule session "{acl_agent.node_name}" {{ policy = "write" }}' in text, text
     assert f'session_prefix "{NODE_PREFIX}"' in text and "docs/acl-policy.hcl" in text, text
 
 
 def test_job_token_cannot_touch_sessions_on_other_consul_nodes(acl_agent, acl, run_id,
-                                                               make_handler):
+                                                               acl_node):
     """Another application's lock on another Consul node: the job's token neither reads nor
     destroys its session (with session_prefix "" it could, which the fallback warns about)."""
     from consul_rdzv.client import ConsulClient
@@ -363,7 +342,7 @@ def test_job_token_cannot_touch_sessions_on_other_consul_nodes(acl_agent, acl, r
         narrow = acl.token(shipped_policy(acl_agent.node_name))
         broad = acl.token(shipped_policy(""))
         # the job itself works with the narrow token
-        info = make_handler(run_id, narrow["SecretID"]).next_rendezvous()
+        info = acl_node(run_id, narrow["SecretID"]).next_rendezvous()
         assert (info.rank, info.world_size) == (0, 1)
 
         def client(token: dict) -> ConsulClient:
@@ -403,7 +382,9 @@ def team_cluster():
     cluster.close()
 
 
+@pytest.mark.consul
 @pytest.mark.timeout(180)
+@pytest.mark.xdist_group("cluster")  # it starts a cluster: one at a time (conftest.py)
 def test_two_teams_cannot_touch_each_others_runs(team_cluster, tmp_path):
     from consul_rdzv.client import ConsulClient
     from consul_rdzv.config import ConsulConfig

@@ -14,10 +14,11 @@ import itertools
 import time
 
 import pytest
-from rdzv_nodes import Cluster
+from rdzv_nodes import wait_for
 
 from consul_rdzv.client import ConsulClient
 from consul_rdzv.errors import ConsulUnavailableError, RendezvousReplacedError
+from consul_rdzv.layout import Leader
 from verify.campaign import CampaignConfig
 from verify.campaign_node import endpoint_for
 from verify.checks import check_invariants, check_missed_rounds
@@ -199,6 +200,7 @@ def test_check_missed_rounds_accepts_a_round_not_meant_for_it_or_not_missed(case
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("cluster")  # it starts a cluster: one at a time (conftest.py)
 def test_short_campaign_on_a_cluster_keeps_every_invariant(tmp_path):
     cfg = CampaignConfig(seed=20261203, rounds=50, gap=(1.5, 4.0), kinds=dict(KINDS),
                          max_seconds=300.0, stall_timeout=60.0)
@@ -237,56 +239,41 @@ class SealAnswerLost(ConsulClient):
         return resp
 
 
-def test_coordinator_returns_its_round_if_the_answer_to_its_seal_is_lost(agent, prefix,
-                                                                       tmp_path):
-    run = Cluster(agent, prefix, tmp_path)
-    try:
-        settings = run.settings(min_nodes=2, max_nodes=2, join_timeout=8.0)
-        lossy = SealAnswerLost(agent.config(), retry_timeout=settings.consul_timeout)
-        a = run.node("a", settings, client=lossy)
-        b = run.node("b", settings)
-        pending = run.start([a])
-        deadline = time.monotonic() + 10
-        while (run.leader() is None or run.leader().node != "a") and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert run.leader() is not None and run.leader().node == "a"
-        pending.update(run.start([b]))
-        results = run.gather(pending, timeout=15)
-        assert lossy.lost == 1
-        assert results["a"].seal_id == results["b"].seal_id
-    finally:
-        run.shutdown()
+def test_coordinator_returns_its_round_if_the_answer_to_its_seal_is_lost(agent, nodes):
+    settings = nodes.settings(min_nodes=2, max_nodes=2, join_timeout=8.0)
+    lossy = SealAnswerLost(agent.config(), retry_timeout=settings.consul_timeout)
+    a = nodes.node("a", settings, client=lossy)
+    b = nodes.node("b", settings)
+    pending = nodes.start([a])
+    wait_for(lambda: (nodes.leader() or Leader("", "", 0)).node == "a", 10, "a coordinating")
+    pending.update(nodes.start([b]))
+    results = nodes.gather(pending, timeout=15)
+    assert lossy.lost == 1
+    assert results["a"].seal_id == results["b"].seal_id
 
 
-def test_replaced_waiter_never_returns_its_replacements_round(agent, prefix, tmp_path):
-    run = Cluster(agent, prefix, tmp_path)
-    try:
-        settings = run.settings(min_nodes=3, max_nodes=3, join_timeout=20.0)
-        coordinator = run.node("c", settings)
-        pending = run.start([coordinator])
-        deadline = time.monotonic() + 10
-        while run.leader() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        old = run.node("x", settings)  # then blocked in its wait for round 1 (2 of 3 nodes)
-        old_result = run.start([old])["x"]
-        while "x" not in run.members() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        new = run.node("x", settings)  # same node id and host, newer incarnation: takes over
-        pending["x"] = run.start([new])["x"]
-        def holder() -> str | None:  # one read: the key vanishes between old and new
-            member = run.members().get("x")
-            return member.incarnation if member else None
+def test_replaced_waiter_never_returns_its_replacements_round(nodes):
+    settings = nodes.settings(min_nodes=3, max_nodes=3, join_timeout=20.0)
+    coordinator = nodes.node("c", settings)
+    pending = nodes.start([coordinator])
+    wait_for(nodes.leader, 10, "a coordinator")
+    old = nodes.node("x", settings)  # then blocked in its wait for round 1 (2 of 3 nodes)
+    old_result = nodes.start([old])["x"]
+    wait_for(lambda: "x" in nodes.members(), 10, "x waiting")
+    new = nodes.node("x", settings)  # same node id and host, newer incarnation: takes over
+    pending["x"] = nodes.start([new])["x"]
 
-        while time.monotonic() < deadline and holder() != new.incarnation.id:
-            time.sleep(0.01)
-        time.sleep(1.0)  # the old process's threads notice that its session is gone
-        pending.update(run.start([run.node("d", settings)]))
-        results = run.gather(pending, timeout=15)
-        assert results["x"].participants == results["c"].participants
-        with pytest.raises(RendezvousReplacedError):  # it stops (docs/protocol.md)
-            got = old_result.result(timeout=15)
-            pytest.fail(f"the replaced process returned round {got.round} as rank {got.rank}, "
-                        f"the round of its replacement (seal {got.seal_id}, the same as "
-                        f"{results['x'].seal_id})")
-    finally:
-        run.shutdown()
+    def holder() -> str | None:  # one read: the key vanishes between old and new
+        member = nodes.members().get("x")
+        return member.incarnation if member else None
+
+    wait_for(lambda: holder() == new.incarnation.id, 10, "the new x holding the member key")
+    wait_for(lambda: old.registration.lost, 10, "the old x noticing that its session is gone")
+    pending.update(nodes.start([nodes.node("d", settings)]))
+    results = nodes.gather(pending, timeout=15)
+    assert results["x"].participants == results["c"].participants
+    with pytest.raises(RendezvousReplacedError):  # it stops (docs/protocol.md)
+        got = old_result.result(timeout=15)
+        pytest.fail(f"the replaced process returned round {got.round} as rank {got.rank}, "
+                    f"the round of its replacement (seal {got.seal_id}, the same as "
+                    f"{results['x'].seal_id})")

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from rdzv_nodes import HB, Cluster, wait_for
+from rdzv_nodes import HB, Cluster, signals_of, wait_for
 
 from consul_rdzv import __version__
 from consul_rdzv.cli import build_parser, fmt_duration, heartbeat_time, parse_duration
@@ -28,13 +28,19 @@ from consul_rdzv.rendezvous import ConsulRendezvous
 from consul_rdzv.runs import Verdict, gc_verdict
 from consul_rdzv.testing import free_port
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(600)  # a hang guard: CLI_DEADLINE per command
 
 CLI = [sys.executable, "-m", "consul_rdzv.cli"]
+#: How long a test waits for a CLI process's first output and for a whole command (deadlines
+#: for an interpreter starting on a loaded machine, not claims about speed), and how long a
+#: node waits for a round the test completes later.
+FIRST_OUTPUT = 60
+CLI_DEADLINE = 120
+LONG_WAIT = 600.0
 
 
 def cli(*args: str, env: dict[str, str] | None = None,
-        timeout: float = 30) -> subprocess.CompletedProcess:
+        timeout: float = CLI_DEADLINE) -> subprocess.CompletedProcess:
     """One ``consul-rdzv`` command; the environment is the test's (CONSUL_HTTP_ADDR from the
     ``agent`` fixture, or the conftest's address where nothing listens)."""
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
@@ -51,24 +57,18 @@ def one_error_line(proc: subprocess.CompletedProcess, command: str) -> str:
     return lines[0]
 
 
-@pytest.fixture
-def run(agent, prefix, tmp_path):
-    """The nodes of one run (threads), left and cleaned up after the test."""
-    c = Cluster(agent, prefix, tmp_path)
-    yield c
-    c.shutdown()
-
-
-def training(run: Cluster, n: int, *, waiting: int = 0, max_nodes: int | None = None) -> list:
+def training(nodes: Cluster, n: int, *, waiting: int = 0, max_nodes: int | None = None) -> list:
     """``n`` nodes in a sealed round (min = max = n unless ``max_nodes``), plus ``waiting``
     nodes beside the full round."""
-    settings = run.settings(min_nodes=n, max_nodes=max_nodes or n)
-    nodes = [run.node(f"node-{i}", settings) for i in range(n)]
-    run.rounds(nodes, 30)
-    spares = [run.node(f"spare-{i}", settings) for i in range(waiting)]
-    run.start(spares)
-    wait_for(lambda: len(run.members()) == n + waiting, 15, "the spares' member keys")
-    return nodes + spares
+    settings = nodes.settings(min_nodes=n, max_nodes=max_nodes or n)
+    ns = [nodes.node(f"node-{i}", settings) for i in range(n)]
+    nodes.rounds(ns, 30)
+    # a spare waits until the test ends (its join timeout must not end it while the CLI runs)
+    spare_settings = settings.with_(join_timeout=LONG_WAIT)
+    spares = [nodes.node(f"spare-{i}", spare_settings) for i in range(waiting)]
+    nodes.start(spares)
+    wait_for(lambda: len(nodes.members()) == n + waiting, 15, "the spares' member keys")
+    return ns + spares
 
 
 # ----------------------------------------------------------------------------- no Consul needed
@@ -130,35 +130,35 @@ def test_unreachable_consul_is_one_line():
 # ----------------------------------------------------------------------------- reading a run
 
 
-def test_list_and_status_of_a_running_run(agent, run, prefix):
-    training(run, 2, waiting=1)
+def test_list_and_status_of_a_running_run(agent, nodes, prefix):
+    training(nodes, 2, waiting=1)
     # the global option after the command, and (next) before it
     listed = cli("list", "--key-prefix", prefix)
     assert listed.returncode == 0, listed.stderr
     header, *rows = listed.stdout.splitlines()
     assert header.split() == ["RUN", "STATE", "ROUND", "WORLD", "NODES", "MIN:MAX",
                               "COORDINATOR", "AGE"]
-    assert len(rows) == 1 and rows[0].split()[:6] == [run.run_id, "training", "1", "2", "3",
+    assert len(rows) == 1 and rows[0].split()[:6] == [nodes.run_id, "training", "1", "2", "3",
                                                       "2:2"], listed.stdout
     doc = json.loads(cli("--key-prefix", prefix, "list", "--json").stdout)
     (row,) = doc["runs"]
     assert (row["run_id"], row["state"], row["world_size"], row["nodes"]) == (
-        run.run_id, "training", 2, 3)
+        nodes.run_id, "training", 2, 3)
 
-    text = cli("status", run.run_id, "--key-prefix", prefix)
+    text = cli("status", nodes.run_id, "--key-prefix", prefix)
     assert text.returncode == 0, text.stderr
     out = text.stdout
-    leader = run.leader().node
+    leader = nodes.leader().node
     for expected in (f"coordinator:   {leader}", "min/max:       2/2 nodes", "round:         1, "
                      "world size 2", "trainer store: node-", "waiting:       spare-0"):
         assert expected in out, out
     assert "RANK  NODE" in out and "HEARTBEAT" in out and f" {HB:g}s " in out
 
-    status = json.loads(cli("status", run.run_id, "--key-prefix", prefix, "--json").stdout)
+    status = json.loads(cli("status", nodes.run_id, "--key-prefix", prefix, "--json").stdout)
     assert status["state"] == "training" and status["round"] == 1
     assert (status["min_nodes"], status["max_nodes"]) == (2, 2)
     assert status["coordinator"] == leader
-    current = run.current_round()
+    current = nodes.current_round()
     assert status["store"] == f"{current.store['host']}:{current.store['port']}"
     ranked = [n for n in status["nodes"] if n["rank"] is not None]
     assert [n["node"] for n in ranked] == current.ranks
@@ -170,30 +170,30 @@ def test_list_and_status_of_a_running_run(agent, run, prefix):
     wait_for(lambda: all(
         n["heartbeat_source"] == "agent" and n["heartbeat_age"] is not None
         and -1 < n["heartbeat_age"] < 5
-        for n in json.loads(cli("status", run.run_id, "--key-prefix", prefix,
+        for n in json.loads(cli("status", nodes.run_id, "--key-prefix", prefix,
                                 "--json").stdout)["nodes"]), 15, "fresh heartbeats")
     assert status["waiting"] == ["spare-0"]
     (spare,) = [n for n in status["nodes"] if n["rank"] is None]
     assert spare["state"] == "waiting"
 
 
-def test_status_shows_a_dead_node_as_critical_or_gone(agent, run, prefix):
-    nodes = training(run, 2)
-    sealed = run.current_round()
-    victim = next(n for n in nodes if n.node_id == sealed.ranks[0])  # rank 0: hosts the store
+def test_status_shows_a_dead_node_as_critical_or_gone(agent, nodes, prefix):
+    ns = training(nodes, 2)
+    sealed = nodes.current_round()
+    victim = next(n for n in ns if n.node_id == sealed.ranks[0])  # rank 0: hosts the store
     victim.halt()  # as if SIGKILLed: its check lapses after the TTL
 
     def victim_row() -> dict:
-        doc = json.loads(cli("status", run.run_id, "--key-prefix", prefix, "--json").stdout)
+        doc = json.loads(cli("status", nodes.run_id, "--key-prefix", prefix, "--json").stdout)
         return next(n for n in doc["nodes"] if n["node"] == victim.node_id)
 
     wait_for(lambda: victim_row()["state"] == "gone", 20, "the killed node shown as gone")
-    assert json.loads(cli("status", run.run_id, "--key-prefix", prefix,
+    assert json.loads(cli("status", nodes.run_id, "--key-prefix", prefix,
                           "--json").stdout)["state"] == "re-forming"
     # Once Consul has reaped its service instance too (done here at once, as the agent's
     # DeregisterCriticalServiceAfter would), the gone rank 0 is still shown at the address it
     # advertised, the round's trainer store, not at its host name.
-    run.admin.agent_service_deregister(victim.registration.service_id)
+    nodes.admin.agent_service_deregister(victim.registration.service_id)
     wait_for(lambda: victim_row()["health"] is None, 10, "the killed node's service reaped")
     row = victim_row()
     assert row["state"] == "gone" and row["rank"] == 0, row
@@ -209,10 +209,10 @@ def test_no_such_run_exits_1(agent, prefix):
     assert listed.returncode == 0 and "no runs under" in listed.stdout
 
 
-def test_explicit_address_beats_the_environment(agent, run, prefix):
-    training(run, 1)
+def test_explicit_address_beats_the_environment(agent, nodes, prefix):
+    training(nodes, 1)
     nowhere = {"CONSUL_HTTP_ADDR": f"127.0.0.1:{free_port()}"}
-    proc = cli("status", run.run_id, "--address", agent.address, "--key-prefix", prefix,
+    proc = cli("status", nodes.run_id, "--address", agent.address, "--key-prefix", prefix,
                env=nowhere)
     assert proc.returncode == 0, proc.stderr
 
@@ -264,61 +264,63 @@ class Lines(threading.Thread):
                 return line
 
 
-def test_watch_prints_a_frame_per_change_and_stops_at_its_timeout(agent, run, prefix):
-    settings = run.settings(min_nodes=2, max_nodes=2)
-    first = run.node("node-a", settings)
-    run.start([first])
-    wait_for(lambda: "node-a" in run.members(), 15, "node-a waiting")
+def test_watch_prints_a_frame_per_change_and_stops_at_its_timeout(agent, nodes, prefix):
+    settings = nodes.settings(min_nodes=2, max_nodes=2, join_timeout=LONG_WAIT)
+    first = nodes.node("node-a", settings)
+    nodes.start([first])
+    wait_for(lambda: "node-a" in nodes.members(), 15, "node-a waiting")
     started = time.monotonic()
-    proc = subprocess.Popen([*CLI, "watch", run.run_id, "--key-prefix", prefix, "--json",
+    proc = subprocess.Popen([*CLI, "watch", nodes.run_id, "--key-prefix", prefix, "--json",
                              "--timeout", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
         lines = Lines(proc)
-        frame = json.loads(lines.until(lambda line: True, 15, "the first frame"))
+        frame = json.loads(lines.until(lambda line: True, FIRST_OUTPUT, "the first frame"))
+        watching = time.monotonic()  # (the watch's 8 s began after its interpreter started)
         assert frame["state"] == "waiting" and frame["waiting"] == ["node-a"], frame
-        run.start([run.node("node-b", settings)])  # the second node joins: the round seals
+        nodes.start([nodes.node("node-b", settings)])  # the second node joins: the round seals
         line = lines.until(lambda line: json.loads(line)["state"] == "training", 15,
                            "a frame of the sealed round")
         sealed = json.loads(line)
         assert sorted(n["node"] for n in sealed["nodes"]) == ["node-a", "node-b"]
-        assert proc.wait(timeout=20) == 0, proc.stderr.read()
-        took = time.monotonic() - started
-        assert 8 <= took < 16, took
+        assert proc.wait(timeout=CLI_DEADLINE) == 0, proc.stderr.read()
+        ended = time.monotonic()
+        assert ended - started >= 8, ended - started
+        assert ended - watching < 16, ended - watching
     finally:
         proc.kill()
         proc.wait()
 
 
-def test_watch_shows_nothing_new_while_its_queries_time_out_on_a_healthy_run(agent, run,
+def test_watch_shows_nothing_new_while_its_queries_time_out_on_a_healthy_run(agent, nodes,
                                                                              prefix):
     """Index discipline: with 1 s queries, each of them times out several times over 6 s on a
     run where nothing changes; a timed-out answer is no change, so one frame only."""
-    training(run, 1)
-    proc = subprocess.run([*CLI, "watch", run.run_id, "--key-prefix", prefix, "--json",
+    training(nodes, 1)
+    proc = subprocess.run([*CLI, "watch", nodes.run_id, "--key-prefix", prefix, "--json",
                            "--wait", "1", "--timeout", "6"], capture_output=True, text=True,
-                          timeout=30)
+                          timeout=CLI_DEADLINE)
     assert proc.returncode == 0, proc.stderr
     frames = [json.loads(line) for line in proc.stdout.splitlines()]
     assert len(frames) == 1, frames
     assert frames[0]["state"] == "training"
-    bad = subprocess.run([*CLI, "watch", run.run_id, "--key-prefix", prefix, "--wait", "11m"],
-                         capture_output=True, text=True, timeout=30)
+    bad = subprocess.run([*CLI, "watch", nodes.run_id, "--key-prefix", prefix, "--wait", "11m"],
+                         capture_output=True, text=True, timeout=CLI_DEADLINE)
     assert bad.returncode == 2 and "at most 10 minutes" not in bad.stdout, bad
     assert "--wait 660s: give 1s to 10m" in bad.stderr, bad.stderr
 
 
-def test_watch_text_frames_and_ctrl_c_exits_0(agent, run, prefix):
-    training(run, 1)
-    proc = subprocess.Popen([*CLI, "watch", run.run_id, "--key-prefix", prefix],
+def test_watch_text_frames_and_ctrl_c_exits_0(agent, nodes, prefix):
+    training(nodes, 1)
+    proc = subprocess.Popen([*CLI, "watch", nodes.run_id, "--key-prefix", prefix],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = Lines(proc)
-        head = lines.until(lambda line: line.startswith("---"), 15, "the frame header")
-        assert f"{run.run_id}: training, round 1, world 1" in head, head
-        lines.until(lambda line: "RANK" in line, 5, "the rank table")
+        head = lines.until(lambda line: line.startswith("---"), FIRST_OUTPUT, "the frame header")
+        assert f"{nodes.run_id}: training, round 1, world 1" in head, head
+        lines.until(lambda line: "RANK" in line, 30, "the rank table")
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 0
+        assert proc.wait(timeout=CLI_DEADLINE) == 0
         assert "Traceback" not in proc.stderr.read()
     finally:
         proc.kill()
@@ -328,40 +330,40 @@ def test_watch_text_frames_and_ctrl_c_exits_0(agent, run, prefix):
 # ----------------------------------------------------------------------------- changing runs
 
 
-def test_drain_takes_a_node_out_and_the_job_reforms(agent, run, prefix):
-    nodes = [run.node(f"node-{i}", run.settings(min_nodes=2, max_nodes=3)) for i in range(3)]
-    run.rounds(nodes, 30)
-    victim, others = nodes[2], nodes[:2]
-    proc = cli("drain", run.run_id, victim.node_id, "--key-prefix", prefix,
+def test_drain_takes_a_node_out_and_the_job_reforms(agent, nodes, prefix):
+    ns = [nodes.node(f"node-{i}", nodes.settings(min_nodes=2, max_nodes=3)) for i in range(3)]
+    nodes.rounds(ns, 30)
+    victim, others = ns[2], ns[:2]
+    proc = cli("drain", nodes.run_id, victim.node_id, "--key-prefix", prefix,
                "--reason", "bad GPU")
     assert proc.returncode == 0, proc.stderr
     assert "re-rendezvous" in proc.stdout and "leaves the run for good" in proc.stdout, \
         proc.stdout
-    assert victim.node_id not in run.members()
+    assert victim.node_id not in nodes.members()
     wait_for(lambda: all(n.num_nodes_waiting() >= 1 for n in others), 10,
              "the others see the drained node gone")
     # the drained process leaves for good, as if stopped: its next round is refused, the
     # others re-form without it, and its drain request is consumed
     with pytest.raises(RendezvousClosedError, match=r"was drained .*\(bad GPU\)"):
         victim.next_round()
-    second = run.rounds(others, timeout=30)
+    second = nodes.rounds(others, timeout=30)
     assert {r.world_size for r in second.values()} == {2}
-    assert victim.node_id not in run.members()
-    assert run.admin.kv_keys(f"{run.keys.prefix}/drain/") == []
-    missing = cli("drain", run.run_id, "nobody", "--key-prefix", prefix)
+    assert victim.node_id not in nodes.members()
+    assert nodes.admin.kv_keys(f"{nodes.keys.prefix}/drain/") == []
+    missing = cli("drain", nodes.run_id, "nobody", "--key-prefix", prefix)
     assert "is not in run" in one_error_line(missing, "drain")
 
 
-def test_close_stops_future_rounds_and_refuses_a_missing_run(agent, run, prefix):
-    waiter = run.node("lonely", run.settings(min_nodes=2, max_nodes=2))
-    (future,) = run.start([waiter]).values()
-    wait_for(lambda: "lonely" in run.members(), 15, "the waiting node's key")
-    proc = cli("close", run.run_id, "--key-prefix", prefix, "--reason", "maintenance window")
+def test_close_stops_future_rounds_and_refuses_a_missing_run(agent, nodes, prefix):
+    waiter = nodes.node("lonely", nodes.settings(min_nodes=2, max_nodes=2))
+    (future,) = nodes.start([waiter]).values()
+    wait_for(lambda: "lonely" in nodes.members(), 15, "the waiting node's key")
+    proc = cli("close", nodes.run_id, "--key-prefix", prefix, "--reason", "maintenance window")
     assert proc.returncode == 0, proc.stderr
     assert "stops future rounds only" in proc.stdout and "keep training" in proc.stdout
     with pytest.raises(RendezvousClosedError, match="maintenance window"):
         future.result(timeout=15)
-    status = json.loads(cli("status", run.run_id, "--key-prefix", prefix, "--json").stdout)
+    status = json.loads(cli("status", nodes.run_id, "--key-prefix", prefix, "--json").stdout)
     assert status["state"] == "closed"
     # the closed marker a node writes (runs.close): an operator's close has outcome "closed"
     closed = status["closed"]
@@ -375,11 +377,11 @@ def test_close_stops_future_rounds_and_refuses_a_missing_run(agent, run, prefix)
     admin.close()
 
 
-def test_gc_lists_then_deletes_ended_and_abandoned_runs_only(agent, run, prefix):
+def test_gc_lists_then_deletes_ended_and_abandoned_runs_only(agent, nodes, prefix):
     admin = agent.client()
-    live = training(run, 1)[0]
+    live = training(nodes, 1)[0]
     # an abandoned run: its only node died (its round stays behind once Consul drops its key)
-    ghost = ConsulRendezvous(run.settings(run_id="abandoned-job", min_nodes=1, max_nodes=1),
+    ghost = ConsulRendezvous(nodes.settings(run_id="abandoned-job", min_nodes=1, max_nodes=1),
                              node_id=f"ghost-{prefix}", host="ghost")
     ghost.next_round()
     ghost.halt()
@@ -390,7 +392,7 @@ def test_gc_lists_then_deletes_ended_and_abandoned_runs_only(agent, run, prefix)
     admin.kv_put(f"{prefix}/ended-job/round/current",
                  Round(closed={"reason": "done", "at": time.time(), "by": "test"}).encode())
     # a finished run whose last node left: its marker kept by a session (closed_retention)
-    fin = ConsulRendezvous(run.settings(run_id="finished-job", min_nodes=1, max_nodes=1),
+    fin = ConsulRendezvous(nodes.settings(run_id="finished-job", min_nodes=1, max_nodes=1),
                            node_id=f"fin-{prefix}", host="fin")
     fin.close_if_current(fin.next_round(), "done", outcome="finished")
     fin.leave()
@@ -404,7 +406,7 @@ def test_gc_lists_then_deletes_ended_and_abandoned_runs_only(agent, run, prefix)
     plan = json.loads(cli("gc", "--key-prefix", prefix, "--older-than", "0", "--json").stdout)
     assert sorted(r["run_id"] for r in plan["would_delete"]) == [
         "abandoned-job", "ended-job", "finished-job"]
-    assert [r["run_id"] for r in plan["kept"]] == [run.run_id]
+    assert [r["run_id"] for r in plan["kept"]] == [nodes.run_id]
     assert admin.kv_keys(f"{prefix}/abandoned-job/")  # a dry run deletes nothing
     young = json.loads(cli("gc", "--key-prefix", prefix, "--json").stdout)  # default 10m
     assert sorted(r["run_id"] for r in young["would_delete"]) == ["ended-job", "finished-job"]
@@ -415,7 +417,7 @@ def test_gc_lists_then_deletes_ended_and_abandoned_runs_only(agent, run, prefix)
     for job in ("abandoned-job", "ended-job", "finished-job"):
         assert admin.kv_keys(f"{prefix}/{job}/") == [], job
     assert admin.session_info(kept.session) is None, "gc left the kept marker's session"
-    assert live.node_id in run.members() and run.current_round().round == 1
+    assert live.node_id in nodes.members() and nodes.current_round().round == 1
     assert live.num_nodes_waiting() == 0
     admin.close()
 
@@ -466,12 +468,26 @@ def _start_agent(*args: str) -> tuple[subprocess.Popen, list[str]]:
     return proc, lines
 
 
+def _waits_for_its_stop_signal(pid: int) -> bool:
+    """The command blocked the stop signals, or waits for them in sigwait (which unblocks the
+    signals it waits for while it waits: /proc shows them blocked only until then)."""
+    with open(f"/proc/{pid}/wchan") as wchan:
+        return "sigtimedwait" in wchan.read() or signal.SIGTERM in signals_of(pid, "SigBlk")
+
+
 def _stop_agent(proc: subprocess.Popen) -> str:
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
+    # The command prints the address, then blocks the stop signals to sigwait for them: a
+    # SIGTERM in between kills it (default disposition) and orphans its Consul agent.
+    try:
+        wait_for(lambda: _waits_for_its_stop_signal(proc.pid), 30,
+                 "the agent command waiting for its stop signal")
+    finally:
+        proc.send_signal(signal.SIGTERM)  # (even after a failure: leave no agent behind)
+    assert proc.wait(timeout=CLI_DEADLINE) == 0
     return proc.stderr.read()
 
 
+@pytest.mark.consul
 def test_agent_default_is_local_only_and_quiet():
     proc, lines = _start_agent()
     try:
@@ -484,6 +500,7 @@ def test_agent_default_is_local_only_and_quiet():
     assert "WARNING" not in stderr and "other hosts" not in "\n".join(lines)
 
 
+@pytest.mark.consul
 def test_agent_bind_serves_that_address_only_with_a_loud_warning():
     """--bind 127.0.0.2 --port P: the HTTP API answers at 127.0.0.2:P (where another host
     would reach it), not at 127.0.0.1:P; the warning says it is unsecured."""
@@ -506,6 +523,7 @@ def test_agent_bind_serves_that_address_only_with_a_loud_warning():
     assert "no ACLs, no TLS" in stderr
 
 
+@pytest.mark.consul
 def test_agent_address_option_is_honoured():
     port = free_port("127.0.0.3")
     proc, lines = _start_agent("--address", f"127.0.0.3:{port}")
@@ -529,6 +547,7 @@ def test_agent_bad_listen_address_is_a_usage_error(args, message):
     assert proc.stderr.startswith("consul-rdzv agent: ") and message in proc.stderr, proc.stderr
 
 
+@pytest.mark.consul
 def test_agent_port_in_use_is_one_clear_line():
     import socket
 

@@ -18,6 +18,7 @@ import uuid
 
 import pytest
 import urllib3
+from rdzv_nodes import wait_for
 
 from consul_rdzv.client import (
     MAX_TXN_BYTES,
@@ -42,18 +43,6 @@ from consul_rdzv.errors import (
 )
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def wait_for(condition, *, timeout: float = 10.0, what: str = "condition"):
-    """Poll ``condition`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = condition()
-        if last:
-            return last
-        time.sleep(0.05)
-    pytest.fail(f"{what} did not happen within {timeout}s (last value: {last!r})")
 
 
 class Services:
@@ -176,8 +165,8 @@ def test_agent_service_register_shows_passing_instance_if_check_starts_passing(c
     assert registered["Meta"] == {"round": "7"}
     check = consul.agent_checks()[check_id]
     assert (check["Status"], check["Type"], check["ServiceID"]) == ("passing", "ttl", service_id)
-    assert wait_for(lambda: passing_ids(consul, service_id) == [service_id],
-                    what="instance listed as passing")
+    assert wait_for(lambda: passing_ids(consul, service_id) == [service_id], 10,
+                    "instance listed as passing", 0.05)
 
 
 def test_agent_service_deregister_removes_service_and_check_if_registered(consul, services):
@@ -197,17 +186,18 @@ def test_agent_service_deregister_raises_not_found_if_service_is_unknown(consul,
 def test_agent_check_update_drops_instance_from_passing_if_warn_or_fail(
         consul, services, status, consul_status):
     service_id, check_id, _ = services.register()
-    wait_for(lambda: passing_ids(consul, service_id) == [service_id], what="instance passing")
+    wait_for(lambda: passing_ids(consul, service_id) == [service_id], 10, "instance passing", 0.05)
     consul.agent_check_update(check_id, status, note=f"set to {status} by the test")
     check = consul.agent_checks()[check_id]
     assert check["Status"] == consul_status
     assert check["Output"] == f"set to {status} by the test"
-    wait_for(lambda: passing_ids(consul, service_id) == [], what="instance dropped from passing")
+    wait_for(lambda: passing_ids(consul, service_id) == [], 10, "instance dropped from passing",
+             0.05)
     # still registered, only not passing
     assert catalog_check_status(consul, service_id, check_id) == consul_status
     consul.agent_check_update(check_id, "pass")
     assert consul.agent_checks()[check_id]["Status"] == "passing"
-    wait_for(lambda: passing_ids(consul, service_id) == [service_id], what="instance back")
+    wait_for(lambda: passing_ids(consul, service_id) == [service_id], 10, "instance back", 0.05)
 
 
 def test_agent_check_update_raises_value_error_if_status_is_unknown(consul, services):
@@ -306,15 +296,15 @@ def _bound_lock(consul, services, sessions, prefix, **register_kwargs):
 def test_session_key_is_deleted_if_bound_check_goes_critical(consul, services, sessions, prefix):
     _, check_id, _, sid, key = _bound_lock(consul, services, sessions, prefix)
     consul.agent_check_update(check_id, "fail")
-    wait_for(lambda: consul.kv_get(key).data is None, what="key deleted by session invalidation")
+    wait_for(lambda: consul.kv_get(key).data is None, 10, "key deleted by session invalidation",
+             0.05)
     assert consul.session_info(sid) is None
 
 
 def test_session_key_is_deleted_if_bound_check_ttl_expires(consul, services, sessions, prefix):
     _, check_id, _, sid, key = _bound_lock(consul, services, sessions, prefix, ttl="1s")
     started = time.monotonic()
-    wait_for(lambda: consul.kv_get(key).data is None, timeout=15,
-             what="key deleted after the TTL expired")
+    wait_for(lambda: consul.kv_get(key).data is None, 15, "key deleted after the TTL expired", 0.05)
     assert time.monotonic() - started >= 0.5  # the check was passing until its TTL ran out
     assert consul.agent_checks()[check_id]["Status"] == "critical"
     assert consul.session_info(sid) is None
@@ -323,8 +313,8 @@ def test_session_key_is_deleted_if_bound_check_ttl_expires(consul, services, ses
 def test_session_survives_if_bound_check_only_warns(consul, services, sessions, prefix):
     service_id, check_id, _, sid, key = _bound_lock(consul, services, sessions, prefix)
     consul.agent_check_update(check_id, "warn")
-    wait_for(lambda: catalog_check_status(consul, service_id, check_id) == "warning",
-             what="warning synced to the catalog")
+    wait_for(lambda: catalog_check_status(consul, service_id, check_id) == "warning", 10,
+             "warning synced to the catalog", 0.05)
     assert consul.session_info(sid)["ID"] == sid
     assert consul.kv_get(key).data.session == sid
 
@@ -340,7 +330,7 @@ def test_session_survives_if_service_is_reregistered_with_same_check(
         instances = consul.catalog_service(service_id)
         return instances and instances[0]["ServiceMeta"] == {"round": "3"}
 
-    wait_for(synced, what="re-registration synced to the catalog")
+    wait_for(synced, 10, "re-registration synced to the catalog", 0.05)
     assert consul.agent_services()[service_id]["Meta"] == {"round": "3"}
     assert consul.agent_checks()[check_id]["Status"] == "passing"
     assert catalog_check_status(consul, service_id, check_id) == "passing"
@@ -349,7 +339,7 @@ def test_session_survives_if_service_is_reregistered_with_same_check(
     assert (entry.value, entry.session) == (b"me", sid)
     # and the session is still bound to the check: failing it still deletes the key
     consul.agent_check_update(check_id, "fail")
-    wait_for(lambda: consul.kv_get(key).data is None, what="key deleted after re-registration")
+    wait_for(lambda: consul.kv_get(key).data is None, 10, "key deleted after re-registration", 0.05)
 
 
 # ----------------------------------------------------------------------------- KV
@@ -645,7 +635,7 @@ def test_kv_list_blocking_wakes_soon_if_another_thread_writes_under_prefix(
 def test_health_service_blocking_wakes_soon_if_check_goes_critical(consul, agent, services):
     service_id, check_id, _ = services.register()
     first = wait_for(lambda: (r := consul.health_service(service_id, passing=True)).data and r,
-                     what="instance passing")
+                     10, "instance passing", 0.05)
     writer = agent.client()
     try:
         result, took, after_write = _blocked_read_woken_by_write(

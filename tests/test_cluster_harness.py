@@ -17,6 +17,7 @@ import time
 import uuid
 
 import pytest
+from rdzv_nodes import figure, wait_for
 
 from consul_rdzv.errors import ConsulError, ConsulPermissionDenied
 from consul_testing import (
@@ -26,30 +27,17 @@ from consul_testing import (
     pick_loopback_block,
 )
 
+#: Each test starts clusters: in conftest.py's cluster group, one at a time on one xdist worker.
+pytestmark = pytest.mark.xdist_group("cluster")
+
 needs_partitions = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None,
     reason="network partitions need root and iproute2's `ip rule`",
 )
 
 
-def figure(text: str) -> None:
-    print(f"[figure] {text}", flush=True)
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
-    """Poll ``predicate`` until it returns a true value; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except (OSError, ConsulError) as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(interval)
-    pytest.fail(f"{what} not within {timeout}s (last: {last!r})")
+#: What a member that is down, restarting or cut off raises while a test waits on it.
+DOWN = (OSError, ConsulError)
 
 
 def stale_value(member: ClusterMember, key: str) -> str | None:
@@ -78,6 +66,7 @@ def test_pick_loopback_block_skips_block_if_a_socket_listens_in_it():
         assert int(block.split(".")[1]) >= 16  # never 127.0.x.x, where 127.0.0.1 lives
 
 
+@pytest.mark.consul
 def test_cluster_partition_raises_unsupported_if_members_share_the_test_uid():
     c = ConsulCluster(servers=1, clients=0, separate_uids=False)
     try:
@@ -95,6 +84,7 @@ def test_cluster_refuses_bad_client_names(names):
         ConsulCluster(servers=1, clients=2, client_names=names)
 
 
+@pytest.mark.consul
 def test_cluster_names_its_client_agents_as_told():
     c = ConsulCluster(servers=1, clients=2, client_names=["team-a-0", "team-b-0"])
     try:
@@ -147,7 +137,8 @@ def test_cluster_kv_write_through_client_is_readable_on_every_server_if_written(
     finally:
         client.close()
     for server in cluster.servers:  # each from its own Raft copy, no forwarding to the leader
-        wait_until(lambda s=server: stale_value(s, key) == value, 10, f"{key} on {server.name}")
+        wait_for(lambda s=server: stale_value(s, key) == value, 10, f"{key} on {server.name}",
+                 0.05, ignore=DOWN)
     other = cluster.clients[1].client()
     try:
         assert other.kv_get(key).data.value == value.encode()
@@ -180,8 +171,8 @@ def test_cluster_elects_new_leader_and_old_one_rejoins_if_leader_killed_and_rest
     status, peers = cluster.leader().api("GET", "/v1/status/peers")
     assert status == 200 and old.rpc_address in peers
     # It kept its Raft log and caught up with the entry written while it was down.
-    wait_until(lambda: stale_value(old, key) == "written-while-old-leader-down", 15,
-               "the restarted server's own copy of the key")
+    wait_for(lambda: stale_value(old, key) == "written-while-old-leader-down", 15,
+             "the restarted server's own copy of the key", 0.05, ignore=DOWN)
 
 
 @pytest.mark.timeout(90)
@@ -245,8 +236,8 @@ def test_cluster_partition_cuts_leader_off_and_heal_brings_it_back_if_leader_par
 
     # The test still reaches its HTTP API; the member itself is cut off from the cluster.
     assert old.api("GET", "/v1/agent/self")[0] == 200
-    wait_until(lambda: old.api("GET", "/v1/status/leader")[1] == "", 15,
-               "the cut-off minority server giving up its leadership")
+    wait_for(lambda: old.api("GET", "/v1/status/leader")[1] == "", 15,
+             "the cut-off minority server giving up its leadership", 0.05, ignore=DOWN)
     # A write through it fails: Consul holds it for a leader (rpc_hold_timeout, 7 s), then 500.
     status, body = old.api("PUT", f"/v1/kv/harness/{uuid.uuid4().hex[:8]}", body="x",
                            timeout=15.0)
@@ -281,13 +272,14 @@ def test_cluster_partition_cuts_client_off_servers_if_client_partitioned(cluster
     assert status in (500, None), body
     cluster.heal(member)
     cluster.wait_member_status(member, "alive", timeout=30)
-    wait_until(lambda: kv_write_works(member, f"harness/{uuid.uuid4().hex[:8]}", "healed"), 15,
-               "a KV write through the healed client agent")
+    wait_for(lambda: kv_write_works(member, f"harness/{uuid.uuid4().hex[:8]}", "healed"), 15,
+             "a KV write through the healed client agent", 0.05, ignore=DOWN)
 
 
 # ------------------------------------------------------------------------------- variants
 
 
+@pytest.mark.consul
 @pytest.mark.timeout(90)
 def test_acl_cluster_denies_anonymous_and_accepts_management_token_if_acl_enabled():
     with ConsulCluster(servers=3, clients=1, acl=True) as c:
@@ -308,6 +300,7 @@ def test_acl_cluster_denies_anonymous_and_accepts_management_token_if_acl_enable
             managed.close()
 
 
+@pytest.mark.consul
 @pytest.mark.timeout(90)
 def test_tls_cluster_serves_https_on_every_member_if_tls_enabled():
     with ConsulCluster(servers=3, clients=1, tls=True) as c:

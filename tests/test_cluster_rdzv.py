@@ -59,15 +59,6 @@ SEVERAL_AGENTS = "reaches several Consul agents"
 # ---------------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture
-def nodes(cluster, prefix, tmp_path):
-    """The nodes of this test's run. Its own reads (and the seal recorder) go through client
-    agent 1, which no test harms; each node gets the client of its own agent."""
-    c = Cluster(cluster.clients[1], prefix, tmp_path)
-    yield c
-    c.shutdown()
-
-
 def client_of(member: ClusterMember, settings: RendezvousSettings) -> ConsulClient:
     """A node's client: the agent at ``member`` only (as CONSUL_HTTP_ADDR would say)."""
     return ConsulClient(ConsulConfig.resolve(address=member.url, env={}),
@@ -226,15 +217,15 @@ def leader_and_follower(cluster: ConsulCluster) -> tuple[ClusterMember, ClusterM
 
 @pytest.mark.timeout(120)
 def test_nodes_on_different_client_agents_form_rounds_with_registrations_on_their_own_agent(
-        cluster, nodes):
+        cluster, cluster_nodes):
     """Four nodes, two on each client agent: each node's service, TTL check and session belong
     to its own agent's Consul node; rounds form and re-form with stable ranks; a node that
     leaves on one host is seen at once by the nodes on the other."""
-    settings = nodes.settings(min_nodes=3, max_nodes=4, last_call_timeout=5.0)
+    settings = cluster_nodes.settings(min_nodes=3, max_nodes=4, last_call_timeout=5.0)
     agents = cluster.clients
-    ns = [node_on(nodes, agents[i % 2], f"n{i}", settings) for i in range(4)]
+    ns = [node_on(cluster_nodes, agents[i % 2], f"n{i}", settings) for i in range(4)]
     started = time.monotonic()
-    first = nodes.rounds(ns, timeout=30)
+    first = cluster_nodes.rounds(ns, timeout=30)
     took = time.monotonic() - started
     assert_round_ok(first, 3, 4)
     assert one(first).world_size == 4
@@ -243,10 +234,10 @@ def test_nodes_on_different_client_agents_form_rounds_with_registrations_on_thei
         own, other = agents[i % 2], agents[(i + 1) % 2]
         assert n.check_id in own.api("GET", "/v1/agent/checks")[1]
         assert n.check_id not in other.api("GET", "/v1/agent/checks")[1]
-        assert nodes.admin.session_info(n.session_id)["Node"] == own.name
+        assert cluster_nodes.admin.session_info(n.session_id)["Node"] == own.name
 
     started = time.monotonic()
-    second = nodes.rounds(ns, timeout=30)
+    second = cluster_nodes.rounds(ns, timeout=30)
     took_second = time.monotonic() - started
     assert_round_ok(second, 3, 4)
     assert ranks_of(second) == ranks_of(first)
@@ -255,10 +246,10 @@ def test_nodes_on_different_client_agents_form_rounds_with_registrations_on_thei
     assert ns[0].leave()  # a node of host 0 goes away
     wait_for(lambda: all(n.num_nodes_waiting() >= 1 for n in ns[1:]), 5,
              "the nodes of both hosts see n0 gone")
-    third = nodes.rounds(ns[1:], timeout=30)
+    third = cluster_nodes.rounds(ns[1:], timeout=30)
     assert_round_ok(third, 3, 4)
     assert "n0" not in one(third).participants
-    nodes.recorder.assert_sealed_once()
+    cluster_nodes.recorder.assert_sealed_once()
     figure(f"4 nodes over 2 client agents (3 servers): round 1 in {took:.3f}s, a re-join in "
            f"{took_second:.3f}s")
 
@@ -266,23 +257,9 @@ def test_nodes_on_different_client_agents_form_rounds_with_registrations_on_thei
 # ---------------------------------------------------------------------------------- torch
 
 
+#: The conf of the torch handlers here (make_handler's fast=False), as torchrun passes it.
 TORCH_CONF = {"heartbeat_timeout": "10", "last_call_timeout": "1", "join_timeout": "60",
               "close_timeout": "5", "consul_timeout": "20"}
-
-
-def torch_handler(endpoint: str, run_id: str, prefix: str, node_id: str, **conf):
-    """A handler built the way torchrun builds it: torch's registry, string conf values."""
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-
-    from consul_rdzv.torch import ConsulRendezvousHandler
-
-    values = {**TORCH_CONF, "key_prefix": prefix, "node_id": node_id, **conf}
-    handler = get_rendezvous_handler(RendezvousParameters(
-        backend="consul", endpoint=endpoint, run_id=run_id, min_nodes=2, max_nodes=2,
-        local_addr="127.0.0.1", **values))
-    assert type(handler) is ConsulRendezvousHandler, type(handler)
-    return handler
 
 
 def assert_torch_round_ok(handlers, infos) -> None:
@@ -321,15 +298,16 @@ def assert_one_live_store(infos) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_torch_handlers_on_two_client_agents_train_through_a_leader_kill(cluster, prefix):
+def test_torch_handlers_on_two_client_agents_train_through_a_leader_kill(cluster, prefix, run_id,
+                                                                         make_handler):
     """Two torchrun agents on two hosts, built through torch's registry, each pointed at its
     host's client agent: they meet at one live trainer store; the leader server is SIGKILLed
     while they train: neither loses its session or registration during the election, and
     after it they re-rendezvous with the same ranks. Neither should see a node waiting meanwhile
     (torchrun would restart the workers): checked last (WatchEndsTheRoundAfterAFailedQuery,
     fixed)."""
-    run_id = f"run-{prefix}"
-    handlers = [torch_handler(member.address, run_id, prefix, f"host-{i}")
+    handlers = [make_handler(member.address, run_id, prefix, min_nodes=2, max_nodes=2,
+                             fast=False, **TORCH_CONF, node_id=f"host-{i}")
                 for i, member in enumerate(cluster.clients)]
     ns = [h.rendezvous for h in handlers]
     pool = ThreadPoolExecutor(max_workers=4)
@@ -379,21 +357,21 @@ def test_torch_handlers_on_two_client_agents_train_through_a_leader_kill(cluster
 
 
 @pytest.mark.timeout(120)
-def test_leader_killed_while_training_declares_no_live_node_dead(cluster, nodes):
+def test_leader_killed_while_training_declares_no_live_node_dead(cluster, cluster_nodes):
     """The leader server is SIGKILLed while four nodes on two client agents train (check TTL
     ``TTL``): check passes are answered by the client agents, so no check lapses, no
     registration or session is lost, and the next round forms with the same ranks once a new
     leader is elected. num_nodes_waiting() stays 0 throughout: checked
     last (WatchEndsTheRoundAfterAFailedQuery, fixed)."""
-    settings = nodes.settings(min_nodes=4, max_nodes=4, heartbeat_timeout=TTL)
-    ns = [node_on(nodes, cluster.clients[i % 2], f"n{i}", settings) for i in range(4)]
-    first = nodes.rounds(ns, timeout=30)
+    settings = cluster_nodes.settings(min_nodes=4, max_nodes=4, heartbeat_timeout=TTL)
+    ns = [node_on(cluster_nodes, cluster.clients[i % 2], f"n{i}", settings) for i in range(4)]
+    first = cluster_nodes.rounds(ns, timeout=30)
     assert_round_ok(first, 4, 4)
     sessions = sessions_of(ns)
     wait_published([cluster.clients[i % 2] for i in range(4)], ns)
 
     leader = cluster.wait_for_leader()
-    with WriteProbe(cluster.clients[0], f"{nodes.prefix}/probe") as probe, \
+    with WriteProbe(cluster.clients[0], f"{cluster_nodes.prefix}/probe") as probe, \
             Sentinel(lambda: all(n.num_nodes_waiting() == 0 for n in ns),
                      "num_nodes_waiting() > 0 on a live node during the election") as sentinel:
         killed = time.monotonic()
@@ -404,15 +382,15 @@ def test_leader_killed_while_training_declares_no_live_node_dead(cluster, nodes)
         stays(lambda: not any(n.registration.lost for n in ns), 5.0,
               "a node lost its registration after the election")
     assert sessions_of(ns) == sessions
-    assert_sessions_alive(nodes, sessions)
+    assert_sessions_alive(cluster_nodes, sessions)
 
     started = time.monotonic()
-    second = nodes.rounds(ns, timeout=30)
+    second = cluster_nodes.rounds(ns, timeout=30)
     took = time.monotonic() - started
     assert_round_ok(second, 4, 4)
     assert ranks_of(second) == ranks_of(first)
     assert sessions_of(ns) == sessions
-    nodes.recorder.assert_sealed_once()
+    cluster_nodes.recorder.assert_sealed_once()
     figure(f"leader SIGKILL while training: new leader after {elected:.2f}s, KV writes through a "
            f"client agent stopped for {gap:.2f}s, no registration or session lost "
            f"(heartbeat_timeout {TTL:g}s); next round {took:.3f}s; num_nodes_waiting() > 0 in "
@@ -421,43 +399,44 @@ def test_leader_killed_while_training_declares_no_live_node_dead(cluster, nodes)
 
 
 @pytest.mark.timeout(120)
-def test_leader_killed_mid_round_round_completes_after_the_election(cluster, nodes):
+def test_leader_killed_mid_round_round_completes_after_the_election(cluster, cluster_nodes):
     """Two nodes wait for a third (min 3) when the leader server is SIGKILLed; the third
     arrives at once. Their blocking queries fail over to the new leader: the round is sealed
     once, after the election, with the waiters' original sessions."""
-    settings = nodes.settings(min_nodes=3, max_nodes=3, heartbeat_timeout=TTL,
-                              consul_timeout=20.0)
-    ns = [node_on(nodes, cluster.clients[i % 2], f"n{i}", settings) for i in range(3)]
-    pending = nodes.start(ns[:2])
-    wait_for(lambda: len(nodes.members()) == 2, 10, "two nodes announced")
-    wait_for(lambda: nodes.leader() is not None, 10, "a coordinator")
+    settings = cluster_nodes.settings(min_nodes=3, max_nodes=3, heartbeat_timeout=TTL,
+                                      consul_timeout=20.0)
+    ns = [node_on(cluster_nodes, cluster.clients[i % 2], f"n{i}", settings) for i in range(3)]
+    pending = cluster_nodes.start(ns[:2])
+    wait_for(lambda: len(cluster_nodes.members()) == 2, 10, "two nodes announced")
+    wait_for(lambda: cluster_nodes.leader() is not None, 10, "a coordinator")
     sessions = sessions_of(ns[:2])
 
     leader = cluster.wait_for_leader()
     killed = time.monotonic()
     leader.kill()
-    pending.update(nodes.start(ns[2:]))
-    results = nodes.gather(pending, timeout=60)
+    pending.update(cluster_nodes.start(ns[2:]))
+    results = cluster_nodes.gather(pending, timeout=60)
     took = time.monotonic() - killed
     elected = cluster.wait_for_leader(timeout=30, exclude=leader)
     assert_round_ok(results, 3, 3)
     assert sessions_of(ns[:2]) == sessions, "a waiter registered again during the election"
-    assert_sessions_alive(nodes, sessions_of(ns))
-    wait_for(lambda: one(results).round in nodes.recorder.seals, 10, "the recorder saw the seal")
-    nodes.recorder.assert_sealed_once()
+    assert_sessions_alive(cluster_nodes, sessions_of(ns))
+    wait_for(lambda: one(results).round in cluster_nodes.recorder.seals, 10,
+             "the recorder saw the seal")
+    cluster_nodes.recorder.assert_sealed_once()
     assert elected is not leader
     figure(f"leader SIGKILL mid-round: the round was sealed {took:.2f}s after the kill")
 
 
 @pytest.mark.timeout(180)
-def test_followers_killed_and_restarted_while_training_and_mid_round(cluster, nodes):
+def test_followers_killed_and_restarted_while_training_and_mid_round(cluster, cluster_nodes):
     """A follower server is SIGKILLed while nodes train (client agents whose RPCs went to it
     fail over): nothing happens to the nodes; rounds form while it is down and after it
     restarts. The other follower is then killed while a round forms: the round completes."""
-    settings = nodes.settings(min_nodes=3, max_nodes=3, heartbeat_timeout=TTL,
-                              consul_timeout=20.0)
-    ns = [node_on(nodes, cluster.clients[i % 2], f"n{i}", settings) for i in range(3)]
-    first = nodes.rounds(ns, timeout=30)
+    settings = cluster_nodes.settings(min_nodes=3, max_nodes=3, heartbeat_timeout=TTL,
+                                      consul_timeout=20.0)
+    ns = [node_on(cluster_nodes, cluster.clients[i % 2], f"n{i}", settings) for i in range(3)]
+    first = cluster_nodes.rounds(ns, timeout=30)
     assert_round_ok(first, 3, 3)
     sessions = sessions_of(ns)
     wait_published([cluster.clients[i % 2] for i in range(3)], ns)
@@ -471,7 +450,7 @@ def test_followers_killed_and_restarted_while_training_and_mid_round(cluster, no
     sentinel.assert_held()
     stays(calm, 5.0, "num_nodes_waiting() > 0 with a follower down")
     started = time.monotonic()
-    second = nodes.rounds(ns, timeout=30)  # with one follower down
+    second = cluster_nodes.rounds(ns, timeout=30)  # with one follower down
     took_down = time.monotonic() - started
     assert_round_ok(second, 3, 3)
     assert sessions_of(ns) == sessions
@@ -480,21 +459,22 @@ def test_followers_killed_and_restarted_while_training_and_mid_round(cluster, no
     follower.start()
     cluster.wait_healthy(timeout=60)
     healthy = time.monotonic() - restarted
-    third = nodes.rounds(ns, timeout=30)
+    third = cluster_nodes.rounds(ns, timeout=30)
     assert_round_ok(third, 3, 3)
 
-    pending = nodes.start(ns[:2])
-    wait_for(lambda: sum(m.want == one(third).round + 1 for m in nodes.members().values()) == 2,
-             10, "two nodes announced for the next round")
+    pending = cluster_nodes.start(ns[:2])
+    wait_for(lambda: sum(m.want == one(third).round + 1
+                         for m in cluster_nodes.members().values()) == 2, 10,
+             "two nodes announced for the next round")
     killed = time.monotonic()
     other.kill()
-    pending.update(nodes.start(ns[2:]))
-    fourth = nodes.gather(pending, timeout=60)
+    pending.update(cluster_nodes.start(ns[2:]))
+    fourth = cluster_nodes.gather(pending, timeout=60)
     took_mid = time.monotonic() - killed
     assert_round_ok(fourth, 3, 3)
     assert ranks_of(fourth) == ranks_of(first)
     assert sessions_of(ns) == sessions
-    nodes.recorder.assert_sealed_once()
+    cluster_nodes.recorder.assert_sealed_once()
     figure(f"follower SIGKILL while training: no node disturbed; round with it down "
            f"{took_down:.3f}s; restarted follower healthy after {healthy:.2f}s; other follower "
            f"killed mid-round: sealed {took_mid:.3f}s after the kill")
@@ -504,14 +484,14 @@ def test_followers_killed_and_restarted_while_training_and_mid_round(cluster, no
                    reason="known product issue: see PassesWaitForTheServers")
 @pytest.mark.timeout(120)
 def test_leader_killed_as_a_round_returns_check_passes_never_wait_for_the_servers(
-        cluster, nodes):
+        cluster, cluster_nodes):
     """The leader server dies just as a round returns, so the nodes' meta publish (a service
     registration 0.5 s after the round) is synced during the election. Check passes are meant
     to be agent-local (docs/protocol.md): the longest time between two successful passes
     should stay near keep_alive_interval."""
-    settings = nodes.settings(min_nodes=2, max_nodes=2, heartbeat_timeout=HB)
-    ns = [node_on(nodes, cluster.clients[i], f"n{i}", settings) for i in range(2)]
-    assert_round_ok(nodes.rounds(ns, timeout=30), 2, 2)
+    settings = cluster_nodes.settings(min_nodes=2, max_nodes=2, heartbeat_timeout=HB)
+    ns = [node_on(cluster_nodes, cluster.clients[i], f"n{i}", settings) for i in range(2)]
+    assert_round_ok(cluster_nodes.rounds(ns, timeout=30), 2, 2)
     wait_published(cluster.clients, ns)
     leader = cluster.wait_for_leader()
     longest = dict.fromkeys((n.node_id for n in ns), 0.0)
@@ -522,7 +502,7 @@ def test_leader_killed_as_a_round_returns_check_passes_never_wait_for_the_server
         return True
 
     with Sentinel(record, ""):
-        second = nodes.rounds(ns, timeout=30)
+        second = cluster_nodes.rounds(ns, timeout=30)
         leader.kill()  # the publish of this round lands in the election
         cluster.wait_for_leader(timeout=30, exclude=leader)
         # the sentinel samples the passes until each node published this round (or is lost)
@@ -545,18 +525,18 @@ def test_leader_killed_as_a_round_returns_check_passes_never_wait_for_the_server
 
 @pytest.mark.timeout(180)
 def test_client_agent_killed_survivors_told_by_serf_and_node_returns_with_its_agent(
-        cluster, nodes):
+        cluster, cluster_nodes):
     """The client agent of host 0 is SIGKILLed (the host dies) under a training node, with a
     check TTL of 30 s: the servers see the agent failed (serf), which invalidates the node's
     session (bound to serfHealth): the survivors on host 1 are told within Consul's failure
     detection, far within the TTL, and re-form. The agent restarts (same data directory): the
     node finds its member key gone, registers again and the job re-forms with it."""
-    settings = nodes.settings(min_nodes=2, max_nodes=3, heartbeat_timeout=LONG_TTL,
-                              consul_timeout=10.0)
+    settings = cluster_nodes.settings(min_nodes=2, max_nodes=3, heartbeat_timeout=LONG_TTL,
+                                      consul_timeout=10.0)
     host0, host1 = cluster.clients
-    a = node_on(nodes, host0, "a", settings)
-    survivors = [node_on(nodes, host1, n, settings) for n in ("b", "c")]
-    first = first_round_of_all(nodes, [a, *survivors], timeout=30)
+    a = node_on(cluster_nodes, host0, "a", settings)
+    survivors = [node_on(cluster_nodes, host1, n, settings) for n in ("b", "c")]
+    first = first_round_of_all(cluster_nodes, [a, *survivors], timeout=30)
     assert_round_ok(first, 2, 3)
     old_session = a.session_id
 
@@ -565,9 +545,9 @@ def test_client_agent_killed_survivors_told_by_serf_and_node_returns_with_its_ag
     wait_for(lambda: all(n.num_nodes_waiting() >= 1 for n in survivors), LONG_TTL / 3,
              "the survivors see a gone")
     told = time.monotonic() - killed
-    assert "a" not in nodes.members()
-    assert nodes.admin.session_info(old_session) is None
-    second = nodes.rounds(survivors, timeout=30)
+    assert "a" not in cluster_nodes.members()
+    assert cluster_nodes.admin.session_info(old_session) is None
+    second = cluster_nodes.rounds(survivors, timeout=30)
     reformed = time.monotonic() - killed
     assert_round_ok(second, 2, 3)
     assert one(second).world_size == 2
@@ -576,17 +556,17 @@ def test_client_agent_killed_survivors_told_by_serf_and_node_returns_with_its_ag
     host0.start()
     cluster.wait_member_status(host0, "alive", timeout=30)
     wait_for(lambda: a.num_nodes_waiting() >= 1, 30, "a sees that it is out of its round")
-    pending = nodes.start([a])
-    wait_for(lambda: "a" in nodes.members(), 30, "a announced itself again")
+    pending = cluster_nodes.start([a])
+    wait_for(lambda: "a" in cluster_nodes.members(), 30, "a announced itself again")
     back = time.monotonic() - restarted
     wait_for(lambda: all(n.num_nodes_waiting() >= 1 for n in survivors), 10,
              "the survivors see a waiting")
-    third = nodes.gather({**pending, **nodes.start(survivors)}, timeout=30)
+    third = cluster_nodes.gather({**pending, **cluster_nodes.start(survivors)}, timeout=30)
     assert_round_ok(third, 2, 3)
     assert one(third).world_size == 3
     assert a.session_id != old_session
-    assert nodes.admin.session_info(a.session_id)["Node"] == host0.name
-    nodes.recorder.assert_sealed_once()
+    assert cluster_nodes.admin.session_info(a.session_id)["Node"] == host0.name
+    cluster_nodes.recorder.assert_sealed_once()
     figure(f"client agent SIGKILL (host dies), check TTL {LONG_TTL:g}s: survivors told after "
            f"{told:.2f}s (serfHealth), re-formed after {reformed:.2f}s; agent restarted: the "
            f"node announced itself again after {back:.2f}s")
@@ -603,7 +583,7 @@ needs_partitions = pytest.mark.skipif(
 @needs_partitions
 @pytest.mark.timeout(180)
 def test_client_agent_cut_off_from_the_servers_each_side_sees_its_part_and_heals(
-        cluster, nodes):
+        cluster, cluster_nodes):
     """Host 0's client agent is cut off from the servers (its HTTP API still answers its
     node). The servers see it failed and invalidate the sessions bound to its serfHealth: the
     nodes of host 1 see host 0's node gone within Consul's failure detection and re-form
@@ -611,12 +591,12 @@ def test_client_agent_cut_off_from_the_servers_each_side_sees_its_part_and_heals
     round cannot change (no KV write reaches a server), so nothing unsafe happens: a
     next_round() there fails with a connection error within consul_timeout. Healed, the node
     learns it is out, registers again and the job re-forms with it."""
-    settings = nodes.settings(min_nodes=2, max_nodes=3, heartbeat_timeout=LONG_TTL,
-                              consul_timeout=5.0, join_timeout=60.0)
+    settings = cluster_nodes.settings(min_nodes=2, max_nodes=3, heartbeat_timeout=LONG_TTL,
+                                      consul_timeout=5.0, join_timeout=60.0)
     host0, host1 = cluster.clients
-    a = node_on(nodes, host0, "a", settings)
-    survivors = [node_on(nodes, host1, n, settings) for n in ("b", "c")]
-    first = first_round_of_all(nodes, [a, *survivors], timeout=30)
+    a = node_on(cluster_nodes, host0, "a", settings)
+    survivors = [node_on(cluster_nodes, host1, n, settings) for n in ("b", "c")]
+    first = first_round_of_all(cluster_nodes, [a, *survivors], timeout=30)
     assert_round_ok(first, 2, 3)
 
     cut = time.monotonic()
@@ -624,7 +604,7 @@ def test_client_agent_cut_off_from_the_servers_each_side_sees_its_part_and_heals
     wait_for(lambda: all(n.num_nodes_waiting() >= 1 for n in survivors), LONG_TTL / 3,
              "host 1's nodes see a gone")
     told = time.monotonic() - cut
-    second = nodes.rounds(survivors, timeout=30)
+    second = cluster_nodes.rounds(survivors, timeout=30)
     assert_round_ok(second, 2, 3)
     assert one(second).world_size == 2
     # The cut-off side: its passes go on (agent-local), and it takes itself for out once no
@@ -646,19 +626,19 @@ def test_client_agent_cut_off_from_the_servers_each_side_sees_its_part_and_heals
     assert failed_after < 10 + settings.consul_timeout + 5, failed_after
     assert passes_ok
     assert one(second).round > one(first).round
-    nodes.recorder.assert_sealed_once()
+    cluster_nodes.recorder.assert_sealed_once()
 
     healed = time.monotonic()
     cluster.heal(host0)
     cluster.wait_member_status(host0, "alive", timeout=30)
-    pending = nodes.start([a])
+    pending = cluster_nodes.start([a])
     wait_for(lambda: all(n.num_nodes_waiting() >= 1 for n in survivors), 30,
              "host 1's nodes see a waiting again")
-    third = nodes.gather({**pending, **nodes.start(survivors)}, timeout=60)
+    third = cluster_nodes.gather({**pending, **cluster_nodes.start(survivors)}, timeout=60)
     back = time.monotonic() - healed
     assert_round_ok(third, 2, 3)
     assert one(third).world_size == 3
-    nodes.recorder.assert_sealed_once()
+    cluster_nodes.recorder.assert_sealed_once()
     figure(f"client agent cut off from the servers (check TTL {LONG_TTL:g}s): the other host's "
            f"nodes told after {told:.2f}s; the cut-off node's num_nodes_waiting() was "
            f"{waiting_cut_off} {out_after:.1f}s after the cut (consul_timeout "
@@ -670,7 +650,7 @@ def test_client_agent_cut_off_from_the_servers_each_side_sees_its_part_and_heals
 @needs_partitions
 @pytest.mark.timeout(180)
 def test_leader_server_cut_off_minority_side_is_refused_majority_goes_on_and_heals(
-        cluster, nodes):
+        cluster, cluster_nodes):
     """The leader server is cut off from the others (a minority of one). Nodes a and b are on
     client agents, node c talks to that server directly (no client agent). The majority elects
     a new leader; a's and b's sessions are untouched. c's registration lived on the cut-off
@@ -679,13 +659,13 @@ def test_leader_server_cut_off_minority_side_is_refused_majority_goes_on_and_hea
     leader and stall until Consul drops that connection). On the minority side no write
     succeeds ("No cluster leader"): c cannot join any round (a connection error after its
     retries). Healed, c comes back."""
-    settings = nodes.settings(min_nodes=2, max_nodes=3, heartbeat_timeout=LONG_TTL,
-                              consul_timeout=8.0, join_timeout=60.0)
+    settings = cluster_nodes.settings(min_nodes=2, max_nodes=3, heartbeat_timeout=LONG_TTL,
+                                      consul_timeout=8.0, join_timeout=60.0)
     leader = cluster.wait_for_leader()
-    a = node_on(nodes, cluster.clients[0], "a", settings)
-    b = node_on(nodes, cluster.clients[1], "b", settings)
-    c = node_on(nodes, leader, "c", settings)
-    first = first_round_of_all(nodes, [a, b, c], timeout=30)
+    a = node_on(cluster_nodes, cluster.clients[0], "a", settings)
+    b = node_on(cluster_nodes, cluster.clients[1], "b", settings)
+    c = node_on(cluster_nodes, leader, "c", settings)
+    first = first_round_of_all(cluster_nodes, [a, b, c], timeout=30)
     assert_round_ok(first, 2, 3)
     wait_published([cluster.clients[0], cluster.clients[1], leader], [a, b, c])
     sessions = sessions_of([a, b])
@@ -699,30 +679,30 @@ def test_leader_server_cut_off_minority_side_is_refused_majority_goes_on_and_hea
     wait_for(lambda: a.num_nodes_waiting() >= 1 and b.num_nodes_waiting() >= 1, 90,
              "a and b see c gone")
     told = time.monotonic() - cut
-    assert "c" not in nodes.members()
-    second = nodes.rounds([a, b], timeout=60)
+    assert "c" not in cluster_nodes.members()
+    second = cluster_nodes.rounds([a, b], timeout=60)
     assert_round_ok(second, 2, 3)
     assert one(second).world_size == 2
     assert sessions_of([a, b]) == sessions
-    assert_sessions_alive(nodes, sessions)
+    assert_sessions_alive(cluster_nodes, sessions)
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError) as info:
         c.next_round()
     failed_after = time.monotonic() - started
     assert leader.url in str(info.value), info.value
-    nodes.recorder.assert_sealed_once()
+    cluster_nodes.recorder.assert_sealed_once()
 
     healed = time.monotonic()
     cluster.heal(leader)
     cluster.wait_healthy(timeout=60)
-    pending = nodes.start([c])
+    pending = cluster_nodes.start([c])
     wait_for(lambda: a.num_nodes_waiting() >= 1 and b.num_nodes_waiting() >= 1, 30,
              "a and b see c waiting again")
-    third = nodes.gather({**pending, **nodes.start([a, b])}, timeout=60)
+    third = cluster_nodes.gather({**pending, **cluster_nodes.start([a, b])}, timeout=60)
     back = time.monotonic() - healed
     assert_round_ok(third, 2, 3)
     assert one(third).world_size == 3
-    nodes.recorder.assert_sealed_once()
+    cluster_nodes.recorder.assert_sealed_once()
     figure(f"leader server cut off (minority of 1): new leader after {elected:.2f}s; nodes on "
            f"client agents kept their sessions and saw the node on the cut-off server gone "
            f"after {told:.2f}s; that node's next_round() failed after {failed_after:.1f}s "
@@ -734,23 +714,23 @@ def test_leader_server_cut_off_minority_side_is_refused_majority_goes_on_and_hea
 
 @pytest.mark.timeout(180)
 def test_quorum_lost_during_a_round_nodes_wait_within_consul_timeout_and_the_round_forms(
-        cluster, nodes):
+        cluster, cluster_nodes):
     """Two of the three servers are SIGKILLed while two nodes wait for a third and one more
     is starting (its registration needs a server for its session). No write can commit, so
     nothing is decided; the nodes ride the outage out (consul_timeout 30 s) and the round forms
     once the two servers are back and a leader is elected, with the waiters' sessions kept."""
-    settings = nodes.settings(min_nodes=3, max_nodes=3, heartbeat_timeout=LONG_TTL,
-                              consul_timeout=30.0, join_timeout=90.0)
-    ns = [node_on(nodes, cluster.clients[i % 2], f"n{i}", settings) for i in range(3)]
-    pending = nodes.start(ns[:2])
-    wait_for(lambda: len(nodes.members()) == 2, 10, "two nodes announced")
+    settings = cluster_nodes.settings(min_nodes=3, max_nodes=3, heartbeat_timeout=LONG_TTL,
+                                      consul_timeout=30.0, join_timeout=90.0)
+    ns = [node_on(cluster_nodes, cluster.clients[i % 2], f"n{i}", settings) for i in range(3)]
+    pending = cluster_nodes.start(ns[:2])
+    wait_for(lambda: len(cluster_nodes.members()) == 2, 10, "two nodes announced")
     sessions = sessions_of(ns[:2])
     leader, follower = leader_and_follower(cluster)
 
     lost = time.monotonic()
     leader.kill()
     follower.kill()
-    pending.update(nodes.start(ns[2:]))
+    pending.update(cluster_nodes.start(ns[2:]))
     wait_for(lambda: cluster.leader() is None, 10, "no leader")
     stays(lambda: not any(f.done() for f in pending.values()), 3.0,
           "a node returned (or failed) while the servers had no quorum")
@@ -759,12 +739,12 @@ def test_quorum_lost_during_a_round_nodes_wait_within_consul_timeout_and_the_rou
     follower.start()
     cluster.wait_for_leader(timeout=60)
     restored = time.monotonic() - back
-    results = nodes.gather(pending, timeout=60)
+    results = cluster_nodes.gather(pending, timeout=60)
     took = time.monotonic() - lost
     assert_round_ok(results, 3, 3)
     assert sessions_of(ns[:2]) == sessions, "a waiter registered again"
-    assert_sessions_alive(nodes, sessions_of(ns))
-    nodes.recorder.assert_sealed_once()
+    assert_sessions_alive(cluster_nodes, sessions_of(ns))
+    cluster_nodes.recorder.assert_sealed_once()
     figure(f"quorum lost (2 of 3 servers SIGKILLed) mid-round: leader back {restored:.2f}s "
            f"after the restart, the round sealed {took:.2f}s after the kill (outage "
            f"{back - lost:.1f}s), waiters kept their sessions")
@@ -772,17 +752,17 @@ def test_quorum_lost_during_a_round_nodes_wait_within_consul_timeout_and_the_rou
 
 @pytest.mark.timeout(180)
 def test_quorum_lost_longer_than_consul_timeout_is_a_clear_error_and_nodes_recover(
-        cluster, nodes):
+        cluster, cluster_nodes):
     """Quorum lost for longer than consul_timeout (3 s): waiting nodes fail with a
     RendezvousConnectionError naming their agent's address and Consul's "No cluster leader",
     within consul_timeout of the first failure (not after join_timeout). Training nodes keep
     their registrations and sessions (no server can invalidate a session; their watches fail
     and read again once quorum is back, without ending the round).
     When the servers are back, the nodes form a round."""
-    settings = nodes.settings(min_nodes=2, max_nodes=3, heartbeat_timeout=TTL,
-                              consul_timeout=3.0, join_timeout=60.0)
-    trainers = [node_on(nodes, cluster.clients[i], f"t{i}", settings) for i in range(2)]
-    first = nodes.rounds(trainers, timeout=30)
+    settings = cluster_nodes.settings(min_nodes=2, max_nodes=3, heartbeat_timeout=TTL,
+                                      consul_timeout=3.0, join_timeout=60.0)
+    trainers = [node_on(cluster_nodes, cluster.clients[i], f"t{i}", settings) for i in range(2)]
+    first = cluster_nodes.rounds(trainers, timeout=30)
     assert_round_ok(first, 2, 3)
     wait_published(cluster.clients, trainers)
     sessions = sessions_of(trainers)
@@ -791,9 +771,9 @@ def test_quorum_lost_longer_than_consul_timeout_is_a_clear_error_and_nodes_recov
     # The waiter is alone on its agent (the server that stays up), as one node per host is:
     # its leave below changes that agent's registrations, which blocks the check passes of
     # every node on the same agent while no server can take the sync (PassesWaitForTheServers).
-    waiter = node_on(nodes, third, "w", settings.with_(min_nodes=3, max_nodes=3))
-    pending = nodes.start([waiter])
-    wait_for(lambda: "w" in nodes.members(), 10, "the waiter announced")
+    waiter = node_on(cluster_nodes, third, "w", settings.with_(min_nodes=3, max_nodes=3))
+    pending = cluster_nodes.start([waiter])
+    wait_for(lambda: "w" in cluster_nodes.members(), 10, "the waiter announced")
 
     with Sentinel(lambda: all(t.num_nodes_waiting() == 0 for t in trainers), "") as watching:
         killed = time.monotonic()
@@ -813,18 +793,18 @@ def test_quorum_lost_longer_than_consul_timeout_is_a_clear_error_and_nodes_recov
     follower.start()
     cluster.wait_for_leader(timeout=60)
     restored = time.monotonic() - back
-    assert_sessions_alive(nodes, sessions)
+    assert_sessions_alive(cluster_nodes, sessions)
     # The waiter's leave could not reach a server: its member key goes once its agent syncs
     # the deregistration (the check goes, and the session with it). Until then a coordinator
     # counts it in, and the round it seals breaks when the key goes (as torchrun would see).
-    wait_for(lambda: "w" not in nodes.members(), 30, "the departed waiter's key gone")
-    waiter2 = node_on(nodes, cluster.clients[0], "w2", settings)
-    pending = nodes.start([waiter2])
-    wait_for(lambda: "w2" in nodes.members(), 30, "a new node announced")
-    second = nodes.gather({**pending, **nodes.start(trainers)}, timeout=60)
+    wait_for(lambda: "w" not in cluster_nodes.members(), 30, "the departed waiter's key gone")
+    waiter2 = node_on(cluster_nodes, cluster.clients[0], "w2", settings)
+    pending = cluster_nodes.start([waiter2])
+    wait_for(lambda: "w2" in cluster_nodes.members(), 30, "a new node announced")
+    second = cluster_nodes.gather({**pending, **cluster_nodes.start(trainers)}, timeout=60)
     assert_round_ok(second, 2, 3)
     assert one(second).world_size == 3
-    nodes.recorder.assert_sealed_once()
+    cluster_nodes.recorder.assert_sealed_once()
     figure(f"quorum lost longer than consul_timeout ({settings.consul_timeout:g}s): the waiting "
            f"node failed {failed_after:.2f}s after the kill with \"No cluster leader\"; training "
            f"nodes kept their sessions (their num_nodes_waiting() > 0 in "
@@ -837,26 +817,26 @@ def test_quorum_lost_longer_than_consul_timeout_is_a_clear_error_and_nodes_recov
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("shape", ["one_server", "own_server"])
-def test_servers_only_nodes_pointed_at_servers_form_rounds(cluster, nodes, shape):
+def test_servers_only_nodes_pointed_at_servers_form_rounds(cluster, cluster_nodes, shape):
     """No client agents (Kubernetes with consul-dataplane): every node talks to a server,
     which holds its service and check. ``one_server``: all nodes on one follower; the leader
     is SIGKILLed while they train and no session is lost. ``own_server``: each node on a
     server of its own; the server of one node is SIGKILLed, which takes that node's
     registration with it, as a host's agent would: the others are told by serfHealth and
     re-form; the server restarts and the node comes back."""
-    settings = nodes.settings(min_nodes=2, max_nodes=3, heartbeat_timeout=LONG_TTL,
-                              consul_timeout=20.0)
+    settings = cluster_nodes.settings(min_nodes=2, max_nodes=3, heartbeat_timeout=LONG_TTL,
+                                      consul_timeout=20.0)
     leader, follower = leader_and_follower(cluster)
     if shape == "one_server":
         homes = [follower] * 3
     else:
         homes = [follower, *(s for s in cluster.servers if s is not follower)]
-    ns = [node_on(nodes, home, f"n{i}", settings) for i, home in enumerate(homes)]
-    first = nodes.rounds(ns, timeout=30)
+    ns = [node_on(cluster_nodes, home, f"n{i}", settings) for i, home in enumerate(homes)]
+    first = cluster_nodes.rounds(ns, timeout=30)
     assert_round_ok(first, 2, 3)
     assert one(first).world_size == 3
     for n, home in zip(ns, homes, strict=True):
-        assert nodes.admin.session_info(n.session_id)["Node"] == home.name
+        assert cluster_nodes.admin.session_info(n.session_id)["Node"] == home.name
     wait_published(homes, ns)
     sessions = sessions_of(ns)
 
@@ -867,8 +847,8 @@ def test_servers_only_nodes_pointed_at_servers_form_rounds(cluster, nodes, shape
         elected = time.monotonic() - killed
         stays(lambda: not any(n.registration.lost for n in ns), 2.0,
               "a node lost its registration after the election")
-        assert_sessions_alive(nodes, sessions)
-        second = nodes.rounds(ns, timeout=60)
+        assert_sessions_alive(cluster_nodes, sessions)
+        second = cluster_nodes.rounds(ns, timeout=60)
         assert_round_ok(second, 2, 3)
         assert ranks_of(second) == ranks_of(first)
         figure(f"servers only, all nodes on one follower: leader SIGKILL while training -> new "
@@ -880,28 +860,29 @@ def test_servers_only_nodes_pointed_at_servers_form_rounds(cluster, nodes, shape
         wait_for(lambda: all(n.num_nodes_waiting() >= 1 for n in ns[:2]), LONG_TTL / 3,
                  "the others see the node of the killed server gone")
         told = time.monotonic() - killed
-        second = nodes.rounds(ns[:2], timeout=60)
+        second = cluster_nodes.rounds(ns[:2], timeout=60)
         assert_round_ok(second, 2, 3)
         assert victim.node_id not in one(second).participants
         restarted = time.monotonic()
         host.start()
         cluster.wait_healthy(timeout=60)
-        pending = nodes.start([victim])
+        pending = cluster_nodes.start([victim])
         wait_for(lambda: all(n.num_nodes_waiting() >= 1 for n in ns[:2]), 30,
                  "the others see the node waiting again")
-        third = nodes.gather({**pending, **nodes.start(ns[:2])}, timeout=60)
+        third = cluster_nodes.gather({**pending, **cluster_nodes.start(ns[:2])}, timeout=60)
         back = time.monotonic() - restarted
         assert_round_ok(third, 2, 3)
         assert one(third).world_size == 3
         figure(f"servers only, one server per node: a node's server SIGKILLed -> the others "
                f"told after {told:.2f}s (serfHealth, check TTL {LONG_TTL:g}s); server "
                f"restarted: the node back in a round of 3 after {back:.2f}s")
-    nodes.recorder.assert_sealed_once()
+    cluster_nodes.recorder.assert_sealed_once()
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("per", ["request", "connection"])
-def test_load_balancer_over_the_servers_is_refused_at_start_with_the_reason(cluster, nodes, per):
+def test_load_balancer_over_the_servers_is_refused_at_start_with_the_reason(cluster, cluster_nodes,
+                                                                            per):
     """Every node's endpoint is a round-robin balancer over the three servers: one balancer
     for all, per HTTP request (an L7 proxy), or one per host, per TCP connection (a Kubernetes
     Service with kube-proxy in IPVS mode). A TTL check lives on the agent that registered it,
@@ -909,8 +890,8 @@ def test_load_balancer_over_the_servers_is_refused_at_start_with_the_reason(clus
     (before the fix: every member key gone within seconds, again and again). Each node finds
     out while it registers and stops with one error naming the cause and the fix, before any
     round forms; its session and member key are gone at once."""
-    settings = nodes.settings(min_nodes=3, max_nodes=3, heartbeat_timeout=HB,
-                              consul_timeout=10.0, join_timeout=30.0)
+    settings = cluster_nodes.settings(min_nodes=3, max_nodes=3, heartbeat_timeout=HB,
+                                      consul_timeout=10.0, join_timeout=30.0)
     upstreams = [s.url for s in cluster.servers]
     with contextlib.ExitStack() as stack:
         if per == "request":
@@ -919,11 +900,11 @@ def test_load_balancer_over_the_servers_is_refused_at_start_with_the_reason(clus
         else:
             balancers = [stack.enter_context(RoundRobinProxy(upstreams, per="connection"))
                          for _ in range(3)]
-        ns = [nodes.node(f"n{i}", settings, client=ConsulClient(
+        ns = [cluster_nodes.node(f"n{i}", settings, client=ConsulClient(
             ConsulConfig.resolve(address=lb.url, env={}), retry_timeout=settings.consul_timeout))
-            for i, lb in enumerate(balancers)]
+              for i, lb in enumerate(balancers)]
         started = time.monotonic()
-        futures = nodes.start(ns)
+        futures = cluster_nodes.start(ns)
         outcomes: dict[str, tuple[float, object]] = {}
         for node_id, future in futures.items():
             try:
@@ -940,8 +921,8 @@ def test_load_balancer_over_the_servers_is_refused_at_start_with_the_reason(clus
         assert lb.url in text, text
         assert took < 15, f"{node.node_id} found out after {took:.1f}s"
         assert node.registration.misconfigured is not None
-    assert not nodes.members(), "a refused node's member key stayed"
-    assert nodes.current_round() is None, "a round formed through the balancer"
+    assert not cluster_nodes.members(), "a refused node's member key stayed"
+    assert cluster_nodes.current_round() is None, "a round formed through the balancer"
     times = sorted(t for t, _ in outcomes.values())
     figure(f"balancer per {per} over 3 servers: 3 of 3 nodes refused with the reason after "
            f"{', '.join(f'{t:.2f}s' for t in times)}, no round formed; the error: "
@@ -949,7 +930,8 @@ def test_load_balancer_over_the_servers_is_refused_at_start_with_the_reason(clus
 
 
 @pytest.mark.timeout(120)
-def test_torch_handler_behind_a_load_balancer_fails_with_the_reason(cluster, prefix):
+def test_torch_handler_behind_a_load_balancer_fails_with_the_reason(cluster, prefix, run_id,
+                                                                    make_handler):
     """Through torch's registry: a torchrun agent whose --rdzv-endpoint is a per-request
     balancer over the servers gets torch's RendezvousConnectionError naming the cause, from
     next_rendezvous(), within seconds."""
@@ -958,8 +940,9 @@ def test_torch_handler_behind_a_load_balancer_fails_with_the_reason(cluster, pre
     )
 
     with RoundRobinProxy([s.url for s in cluster.servers], per="request") as lb:
-        handler = torch_handler(lb.address, f"run-{prefix}", prefix, "host-0",
-                                consul_timeout="10")
+        handler = make_handler(lb.address, run_id, prefix, min_nodes=2, max_nodes=2,
+                               fast=False, **{**TORCH_CONF, "consul_timeout": "10"},
+                               node_id="host-0")
         started = time.monotonic()
         try:
             with pytest.raises(TorchConnectionError, match=SEVERAL_AGENTS) as info:
@@ -974,15 +957,15 @@ def test_torch_handler_behind_a_load_balancer_fails_with_the_reason(cluster, pre
 
 
 @pytest.mark.timeout(120)
-def test_check_gone_from_the_nodes_own_agent_is_not_taken_for_a_balancer(cluster, nodes,
-                                                                          caplog):
+def test_check_gone_from_the_nodes_own_agent_is_not_taken_for_a_balancer(cluster, cluster_nodes,
+                                                                         caplog):
     """An operator deregisters a training node's service on its client agent: its check
     passes now get 404, as behind a balancer, but every look at the agent gives the same
     answer, so the node registers again instead of refusing, and the job re-forms."""
-    settings = nodes.settings(min_nodes=2, max_nodes=2, heartbeat_timeout=HB)
-    a = node_on(nodes, cluster.clients[0], "a", settings)
-    b = node_on(nodes, cluster.clients[1], "b", settings)
-    first = nodes.rounds([a, b], timeout=30)
+    settings = cluster_nodes.settings(min_nodes=2, max_nodes=2, heartbeat_timeout=HB)
+    a = node_on(cluster_nodes, cluster.clients[0], "a", settings)
+    b = node_on(cluster_nodes, cluster.clients[1], "b", settings)
+    first = cluster_nodes.rounds([a, b], timeout=30)
     assert_round_ok(first, 2, 2)
     with caplog.at_level(logging.WARNING, logger="consul_rdzv"):
         status, _ = cluster.clients[0].api("PUT",
@@ -990,7 +973,7 @@ def test_check_gone_from_the_nodes_own_agent_is_not_taken_for_a_balancer(cluster
         assert status == 200
         wait_for(lambda: a.num_nodes_waiting() >= 1 and b.num_nodes_waiting() >= 1, 10,
                  "both see a's registration gone")
-        second = nodes.rounds([a, b], timeout=30)
+        second = cluster_nodes.rounds([a, b], timeout=30)
     assert_round_ok(second, 2, 2)
     assert a.registration.misconfigured is None
     assert not [r for r in caplog.records if SEVERAL_AGENTS in r.getMessage()]
@@ -1002,7 +985,7 @@ def test_check_gone_from_the_nodes_own_agent_is_not_taken_for_a_balancer(cluster
 
 @pytest.mark.timeout(120)
 def test_restarted_process_with_the_same_node_id_on_another_client_agent_takes_over_at_once(
-        cluster, nodes):
+        cluster, cluster_nodes):
     """A pod rescheduled onto another host: the process of node "pod-0" on host 0 is
     SIGKILLed while its check still passes for 30 s, and a new process with the same node id
     (and host name: node processes use the node id) starts on host 1's agent. Its announce finds
@@ -1010,29 +993,29 @@ def test_restarted_process_with_the_same_node_id_on_another_client_agent_takes_o
     session and takes over at once; the survivor re-forms with it."""
     kwargs = {"heartbeat": LONG_TTL, "min_nodes": 2, "max_nodes": 2, "join_timeout": 60.0}
     host0, host1 = cluster.clients
-    victim = nodes.process("pod-0", address=host0.url, **kwargs)
-    settings = nodes.settings(min_nodes=2, max_nodes=2, heartbeat_timeout=LONG_TTL)
-    survivor = node_on(nodes, host1, "pod-1", settings)
-    first = {"pod-1": one(nodes.rounds([survivor], timeout=30)), "pod-0": victim.result(10)}
+    victim = cluster_nodes.process("pod-0", address=host0.url, **kwargs)
+    settings = cluster_nodes.settings(min_nodes=2, max_nodes=2, heartbeat_timeout=LONG_TTL)
+    survivor = node_on(cluster_nodes, host1, "pod-1", settings)
+    first = {"pod-1": one(cluster_nodes.rounds([survivor], timeout=30)), "pod-0": victim.result(10)}
     assert_round_ok(first, 2, 2)
-    old_session = nodes.members()["pod-0"].session
-    assert nodes.admin.session_info(old_session)["Node"] == host0.name
+    old_session = cluster_nodes.members()["pod-0"].session
+    assert cluster_nodes.admin.session_info(old_session)["Node"] == host0.name
 
     victim.kill()  # its check on host 0 keeps passing for nobody: TTL 30 s
     started = time.monotonic()
-    replacement = nodes.process("pod-0", address=host1.url, **kwargs)
+    replacement = cluster_nodes.process("pod-0", address=host1.url, **kwargs)
     wait_for(lambda: survivor.num_nodes_waiting() >= 1, LONG_TTL / 3,
              "the survivor sees the old pod-0 gone")
-    second = {"pod-1": one(nodes.rounds([survivor], timeout=30)),
+    second = {"pod-1": one(cluster_nodes.rounds([survivor], timeout=30)),
               "pod-0": replacement.result(15)}
     took = time.monotonic() - started
     assert_round_ok(second, 2, 2)
     assert one(second).round == one(first).round + 1
     assert took < LONG_TTL / 3, f"the replacement took {took:.1f}s: it waited for the TTL"
-    assert nodes.admin.session_info(old_session) is None
-    member = nodes.members()["pod-0"]
+    assert cluster_nodes.admin.session_info(old_session) is None
+    member = cluster_nodes.members()["pod-0"]
     assert member.pid == replacement.proc.pid
-    assert nodes.admin.session_info(member.session)["Node"] == host1.name
-    nodes.recorder.assert_sealed_once()
+    assert cluster_nodes.admin.session_info(member.session)["Node"] == host1.name
+    cluster_nodes.recorder.assert_sealed_once()
     figure(f"same node id restarted on another client agent: round {one(second).round} formed "
            f"{took:.2f}s after the replacement started (predecessor's check TTL {LONG_TTL:g}s)")

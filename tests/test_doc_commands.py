@@ -202,8 +202,7 @@ def test_readme_quick_start_runs_as_pasted_on_two_nodes(agent, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_multi_host_blocks_run_as_pasted_one_per_host(agent, tmp_path):
-    run_id = f"doc-{uuid.uuid4().hex[:8]}"
+def test_multi_host_blocks_run_as_pasted_one_per_host(agent, run_id, tmp_path):
     scripts = [pasted(the_block("docs/multi-host.md", f"node_id={host}"), agent, run_id)
                for host in ("gpu-a", "gpu-b")]
     rows = results(run_together(scripts, shell_env(), tmp_path))

@@ -14,7 +14,6 @@ import http.server
 import signal
 import threading
 import time
-import uuid
 
 import pytest
 from torchrun_jobs import TorchrunJob, torch_log_times
@@ -26,11 +25,6 @@ pytestmark = pytest.mark.slow
 JOB_TIMEOUT = 150
 #: A check TTL far longer than any graceful step, so that TTL expiry cannot explain a result.
 LONG_TTL = 30
-
-
-@pytest.fixture
-def run_id() -> str:
-    return f"life-{uuid.uuid4().hex[:8]}"
 
 
 def conf(prefix: str, **changes) -> dict:
@@ -270,12 +264,15 @@ def test_an_endpoint_that_is_not_consul_fails_at_once_naming_it(not_consul, pref
         exited = time.time()
         report = job.report()
         started = torch_log_times(node.log(), "Rendezvous'ing worker group")
+        # the node gives up: it leaves (torch shuts the handler down after the error); what
+        # the interpreter then takes to exit on a loaded machine is not the node's doing
+        gave_up = torch_log_times(node.log(), "leaves run")
         assert code not in (0, None), report
-        assert started, report
-        took = exited - started[0]
+        assert started and gave_up, report
+        took = gave_up[0] - started[0]
         assert "RendezvousConnectionError" in node.log(), report
         assert f"The server at http://{not_consul} does not answer like a Consul agent" \
             in node.log(), report
-        assert took < 5, f"torchrun took {took:.1f}s against a web server\n{report}"
-        print(f"[figure] torchrun against a web server that is not Consul exited {took:.2f}s "
-              "after it began the rendezvous")
+        assert took < 5, f"the node gave up {took:.1f}s after it began\n{report}"
+        print(f"[figure] torchrun against a web server that is not Consul gave up {took:.2f}s "
+              f"after it began the rendezvous, exited {exited - started[0]:.2f}s after")

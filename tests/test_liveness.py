@@ -28,13 +28,6 @@ from consul_rdzv.settings import RendezvousSettings
 LONG_TTL = 30.0
 
 
-@pytest.fixture
-def nodes(agent, prefix, tmp_path):
-    c = Cluster(agent, prefix, tmp_path)
-    yield c
-    c.shutdown()
-
-
 def proxied_client(proxy: ConsulProxy, consul_timeout: float) -> ConsulClient:
     return ConsulClient(ConsulConfig.resolve(address=proxy.address, env={}),
                         retry_timeout=consul_timeout)

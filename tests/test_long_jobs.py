@@ -42,13 +42,6 @@ SHORT_WAIT = 1.0
 JOB_TIMEOUT = 150
 
 
-@pytest.fixture
-def nodes(agent, prefix, tmp_path):
-    c = Cluster(agent, prefix, tmp_path)
-    yield c
-    c.shutdown()
-
-
 def watch_alive(node: ConsulRendezvous) -> bool:
     watch = node.standing.current_watch
     return watch is not None and not watch.stopped
@@ -86,10 +79,9 @@ def test_healthy_round_outlives_many_watch_timeouts(nodes, n):
            "0 throughout")
 
 
-def test_healthy_torchrun_job_trains_through_many_watch_timeouts(agent, prefix, tmp_path):
+def test_healthy_torchrun_job_trains_through_many_watch_timeouts(agent, prefix, run_id, tmp_path):
     """The user's report, as a user runs it: a one-node torchrun job, the watch's queries
     timing out every second: its worker starts once and the job ends with exit 0."""
-    run_id = f"soak-{uuid.uuid4().hex[:8]}"
     conf = {"key_prefix": prefix, "heartbeat_timeout": 5, "watch_wait": SHORT_WAIT,
             "last_call_timeout": 1}
     with TorchrunJob(tmp_path, agent.address, run_id, nnodes="1", rdzv_conf=conf,
@@ -105,27 +97,23 @@ def test_healthy_torchrun_job_trains_through_many_watch_timeouts(agent, prefix, 
 
 
 @pytest.mark.parametrize("n", [1, 2, 32])
-def test_healthy_round_on_the_cluster_outlives_many_watch_timeouts(cluster, prefix, tmp_path, n):
+def test_healthy_round_on_the_cluster_outlives_many_watch_timeouts(cluster, cluster_nodes, n):
     """The same on the cluster harness: nodes on two client agents, stale reads from any
     server."""
-    c = Cluster(cluster.clients[1], prefix, tmp_path)
-    try:
-        settings = c.settings(min_nodes=n, max_nodes=n, watch_wait=SHORT_WAIT,
-                              heartbeat_timeout=10.0, last_call_timeout=2.0)
-        members = [c.node(f"n{i:02d}", settings, client=ConsulClient(
-            ConsulConfig.resolve(address=cluster.clients[i % 2].url, env={}),
-            retry_timeout=settings.consul_timeout)) for i in range(n)]
-        for member in members:  # a registration on a loaded agent outlasts a short last call
-            member.register(timeout=30)
-        first = c.rounds(members, timeout=90)
-        assert_round_ok(first, n, n)
-        window = 6 * SHORT_WAIT
-        queries = healthy_throughout(members, window)
-        assert queries >= n * (window / SHORT_WAIT - 2), queries
-        figure(f"cluster, N={n}: {queries} timed-out watch queries over {window:g}s, "
-               "num_nodes_waiting() 0 throughout")
-    finally:
-        c.shutdown()
+    settings = cluster_nodes.settings(min_nodes=n, max_nodes=n, watch_wait=SHORT_WAIT,
+                                      heartbeat_timeout=10.0, last_call_timeout=2.0)
+    members = [cluster_nodes.node(f"n{i:02d}", settings, client=ConsulClient(
+        ConsulConfig.resolve(address=cluster.clients[i % 2].url, env={}),
+        retry_timeout=settings.consul_timeout)) for i in range(n)]
+    for member in members:  # a registration on a loaded agent outlasts a short last call
+        member.register(timeout=30)
+    first = cluster_nodes.rounds(members, timeout=90)
+    assert_round_ok(first, n, n)
+    window = 6 * SHORT_WAIT
+    queries = healthy_throughout(members, window)
+    assert queries >= n * (window / SHORT_WAIT - 2), queries
+    figure(f"cluster, N={n}: {queries} timed-out watch queries over {window:g}s, "
+           "num_nodes_waiting() 0 throughout")
 
 
 # ============================================================== 3. a job's end is not a death
@@ -182,12 +170,12 @@ def test_participant_whose_workers_fail_after_the_job_finished_does_not_ask_for_
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_node_that_finishes_long_before_the_others_lets_them_finish(agent, prefix, tmp_path):
+def test_node_that_finishes_long_before_the_others_lets_them_finish(agent, prefix, run_id,
+                                                                     tmp_path):
     """torchrun, two nodes: after training, rank 0 works on alone for 8 s (a final evaluation)
     while the other node's agent gives up its exit barrier after 2 s (300 s in torch; lowered
     here), closes the run as finished and leaves. Rank 0's node does not take that for a death:
     its worker is never restarted, finishes its work, and both agents exit 0, as with c10d."""
-    run_id = f"fin-{uuid.uuid4().hex[:8]}"
     conf = {"key_prefix": prefix, "heartbeat_timeout": 5, "last_call_timeout": 1,
             "watch_wait": SHORT_WAIT}
     with TorchrunJob(tmp_path, agent.address, run_id, nnodes="2", rdzv_conf=conf,
@@ -242,12 +230,8 @@ def test_runs_that_ended_every_way_leave_nothing_in_consul(agent, prefix, tmp_pa
     run_ids = [f"end{i}-{uuid.uuid4().hex[:6]}" for i in range(5)]
     for sub in ("killed", "drained"):
         (tmp_path / sub).mkdir()
-    killed = Cluster(agent, prefix, tmp_path / "killed")
-    killed.run_id = run_ids[4]
-    killed.keys = killed.keys.__class__(f"{prefix}/{run_ids[4]}")
-    drained = Cluster(agent, prefix, tmp_path / "drained")
-    drained.run_id = run_ids[3]
-    drained.keys = drained.keys.__class__(f"{prefix}/{run_ids[3]}")
+    killed = Cluster(agent, prefix, tmp_path / "killed", run_id=run_ids[4])
+    drained = Cluster(agent, prefix, tmp_path / "drained", run_id=run_ids[3])
     try:
         # SIGKILL of every node: first, Consul's clean-up takes longest
         procs = [killed.process(f"k{i}", min_nodes=2, max_nodes=2, heartbeat=HB)

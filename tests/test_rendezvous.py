@@ -17,7 +17,6 @@ import time
 import pytest
 from rdzv_nodes import (
     HB,
-    Cluster,
     assert_round_ok,
     endpoint_for,
     figure,
@@ -39,45 +38,30 @@ from consul_rdzv.layout import Leader
 from consul_rdzv.rendezvous import ConsulRendezvous
 from consul_rdzv.settings import RendezvousSettings
 
-
-@pytest.fixture
-def cluster(agent, prefix, tmp_path):
-    c = Cluster(agent, prefix, tmp_path)
-    yield c
-    c.shutdown()
-
-
-@pytest.fixture
-def fresh_cluster(fresh_agent, prefix, tmp_path):
-    c = Cluster(fresh_agent, prefix, tmp_path)
-    yield c
-    c.shutdown()
-
-
 # ============================================================================ 1. threads
 
 
 @pytest.mark.parametrize("n", [2, 8, 64])
-def test_threads_form_one_round_then_rejoin_with_stable_ranks(cluster, n):
-    settings = cluster.settings(min_nodes=n, max_nodes=n, last_call_timeout=30.0,
-                                join_timeout=90.0, heartbeat_timeout=5.0 if n > 8 else HB)
-    nodes = [cluster.node(f"n{i}", settings) for i in range(n)]
+def test_threads_form_one_round_then_rejoin_with_stable_ranks(nodes, n):
+    settings = nodes.settings(min_nodes=n, max_nodes=n, last_call_timeout=30.0,
+                              join_timeout=90.0, heartbeat_timeout=5.0 if n > 8 else HB)
+    ns = [nodes.node(f"n{i}", settings) for i in range(n)]
 
     started = time.monotonic()
-    first = cluster.rounds(nodes, timeout=60)
+    first = nodes.rounds(ns, timeout=60)
     took_first = time.monotonic() - started
     assert_round_ok(first, n, n)
     assert one(first).round == 1
     assert took_first < 20, "a full round seals at once; it must not wait for the last call"
 
     started = time.monotonic()
-    second = cluster.rounds(nodes, timeout=60)
+    second = nodes.rounds(ns, timeout=60)
     took_second = time.monotonic() - started
     assert_round_ok(second, n, n)
     assert one(second).round == 2
     assert one(second).seal_id != one(first).seal_id
     assert ranks_of(second) == ranks_of(first), "stable ranks: every node keeps its rank"
-    cluster.recorder.assert_sealed_once()
+    nodes.recorder.assert_sealed_once()
 
     requests = sorted(r.requests for r in first.values())
     requests2 = sorted(r.requests for r in second.values())
@@ -91,15 +75,15 @@ def test_threads_form_one_round_then_rejoin_with_stable_ranks(cluster, n):
 
 
 @pytest.mark.parametrize("n", [3, 8])
-def test_processes_form_a_round(cluster, n):
+def test_processes_form_a_round(nodes, n):
     started = time.monotonic()
-    procs = [cluster.process(f"p{i}", min_nodes=n, max_nodes=n, last_call=30.0)
+    procs = [nodes.process(f"p{i}", min_nodes=n, max_nodes=n, last_call=30.0)
              for i in range(n)]
     first = {p.node_id: p.result(timeout=60) for p in procs}
     took = time.monotonic() - started
     assert_round_ok(first, n, n)
     # really n processes: each member value carries the pid of the process that wrote it
-    members = cluster.members()
+    members = nodes.members()
     assert {m.pid for m in members.values()} == {p.proc.pid for p in procs}
 
     for p in procs:
@@ -111,36 +95,36 @@ def test_processes_form_a_round(cluster, n):
     for p in procs:
         p.send("waiting")
     assert all(p.event(timeout=10)["value"] == 0 for p in procs)
-    cluster.recorder.assert_sealed_once()
+    nodes.recorder.assert_sealed_once()
     figure(f"N={n} processes: first round {took:.2f}s after the first process started")
 
     for p in procs:
         p.send("leave")
     for p in procs:
         assert p.proc.wait(15) == 0
-    wait_for(lambda: not cluster.members(), 5, "every process removed its member key")
+    wait_for(lambda: not nodes.members(), 5, "every process removed its member key")
 
 
 # ============================================================================ 3. scaling
 
 
-def test_scale_down_reseals_at_once_and_scale_up_fills_the_round(cluster):
-    settings = cluster.settings(min_nodes=2, max_nodes=4, last_call_timeout=30.0)
-    nodes = {i: cluster.node(i, settings) for i in "abcd"}
-    first = cluster.rounds(nodes.values(), timeout=20)
+def test_scale_down_reseals_at_once_and_scale_up_fills_the_round(nodes):
+    settings = nodes.settings(min_nodes=2, max_nodes=4, last_call_timeout=30.0)
+    ns = {i: nodes.node(i, settings) for i in "abcd"}
+    first = nodes.rounds(ns.values(), timeout=20)
     assert_round_ok(first, 2, 4)
     assert one(first).world_size == 4
 
     # the participant of rank 1 leaves cleanly; the others see it go
     by_rank = {r.rank: node for node, r in first.items()}
-    leaver = nodes[by_rank[1]]
+    leaver = ns[by_rank[1]]
     assert leaver.leave()
-    survivors = [n for n in nodes.values() if n is not leaver]
+    survivors = [n for n in ns.values() if n is not leaver]
     wait_for(lambda: all(n.num_nodes_waiting() >= 1 for n in survivors), 5,
              "survivors see that a participant left")
 
     started = time.monotonic()
-    second = cluster.rounds(survivors, timeout=20)
+    second = nodes.rounds(survivors, timeout=20)
     took_down = time.monotonic() - started
     assert_round_ok(second, 2, 4)
     assert one(second).world_size == 3 and leaver.node_id not in one(second).participants
@@ -149,39 +133,39 @@ def test_scale_down_reseals_at_once_and_scale_up_fills_the_round(cluster):
     assert ranks_of(second) == {by_rank[0]: 0, by_rank[2]: 2, by_rank[3]: 1}
 
     # a new node joins: it waits, the participants see it and re-join
-    newcomer = cluster.node("e", settings)
-    pending = cluster.start([newcomer])
+    newcomer = nodes.node("e", settings)
+    pending = nodes.start([newcomer])
     wait_for(lambda: all(n.num_nodes_waiting() == 1 for n in survivors), 5,
              "participants see one node waiting")
     assert not pending["e"].done()
     started = time.monotonic()
-    futures = {**pending, **cluster.start(survivors)}
-    third = cluster.gather(futures, timeout=20)
+    futures = {**pending, **nodes.start(survivors)}
+    third = nodes.gather(futures, timeout=20)
     took_up = time.monotonic() - started
     assert_round_ok(third, 2, 4)
     assert one(third).world_size == 4 and one(third).round == 3
     assert ranks_of(third) == {**ranks_of(second), "e": 3}
     assert took_up < 5, f"a full round seals at once (took {took_up:.2f}s)"
-    cluster.recorder.assert_sealed_once()
+    nodes.recorder.assert_sealed_once()
     figure(f"scale-down re-seal (last_call 30s): {took_down:.3f}s; scale-up to max: "
            f"{took_up:.3f}s")
 
 
-def test_scale_up_below_max_seals_after_the_last_call(cluster):
+def test_scale_up_below_max_seals_after_the_last_call(nodes):
     last_call = 0.5
-    settings = cluster.settings(min_nodes=2, max_nodes=5, last_call_timeout=last_call)
-    nodes = [cluster.node(i, settings) for i in "abc"]
-    first = cluster.rounds(nodes, timeout=20)
+    settings = nodes.settings(min_nodes=2, max_nodes=5, last_call_timeout=last_call)
+    ns = [nodes.node(i, settings) for i in "abc"]
+    first = nodes.rounds(ns, timeout=20)
     assert_round_ok(first, 2, 5)
     assert one(first).world_size == 3
     timings = one(first).timings
     assert timings["sealed"] - timings["quorum"] >= last_call - 0.05
 
-    newcomer = cluster.node("d", settings)
-    pending = cluster.start([newcomer])
-    wait_for(lambda: all(n.num_nodes_waiting() == 1 for n in nodes), 5,
+    newcomer = nodes.node("d", settings)
+    pending = nodes.start([newcomer])
+    wait_for(lambda: all(n.num_nodes_waiting() == 1 for n in ns), 5,
              "participants see the new node")
-    second = cluster.gather({**pending, **cluster.start(nodes)}, timeout=20)
+    second = nodes.gather({**pending, **nodes.start(ns)}, timeout=20)
     assert_round_ok(second, 2, 5)
     assert one(second).world_size == 4 and one(second).round == 2
     assert ranks_of(second) == {**ranks_of(first), "d": 3}
@@ -189,34 +173,34 @@ def test_scale_up_below_max_seals_after_the_last_call(cluster):
     waited = timings["sealed"] - timings["quorum"]
     assert waited >= last_call - 0.05, f"someone new and room left: last call ({waited:.3f}s)"
     assert waited < last_call + 5
-    cluster.recorder.assert_sealed_once()
+    nodes.recorder.assert_sealed_once()
 
 
 # ============================================================================ 4. late joiners
 
 
-def test_late_joiner_waits_and_a_spare_beside_a_full_round_is_not_counted(cluster):
-    settings = cluster.settings(min_nodes=2, max_nodes=3, last_call_timeout=0.3)
-    a, b, c, d = (cluster.node(i, settings) for i in "abcd")
-    first = cluster.rounds([a, b], timeout=20)
+def test_late_joiner_waits_and_a_spare_beside_a_full_round_is_not_counted(nodes):
+    settings = nodes.settings(min_nodes=2, max_nodes=3, last_call_timeout=0.3)
+    a, b, c, d = (nodes.node(i, settings) for i in "abcd")
+    first = nodes.rounds([a, b], timeout=20)
     assert_round_ok(first, 2, 3)
     assert one(first).world_size == 2
 
     # c arrives late: it waits (no error) and the participants see one node waiting
-    late = cluster.start([c])
+    late = nodes.start([c])
     started = time.monotonic()
     wait_for(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1, 5,
              "participants see the late joiner")
     latency = time.monotonic() - started
     assert not late["c"].done()
-    second = cluster.gather({**late, **cluster.start([a, b])}, timeout=20)
+    second = nodes.gather({**late, **nodes.start([a, b])}, timeout=20)
     assert_round_ok(second, 2, 3)
     assert one(second).world_size == 3
     assert ranks_of(second) == {**ranks_of(first), "c": 2}
 
     # the round is full (W == max_nodes): a spare that waits does not count
-    spare = cluster.start([d])
-    wait_for(lambda: "d" in cluster.members(), 5, "the spare's member key")
+    spare = nodes.start([d])
+    wait_for(lambda: "d" in nodes.members(), 5, "the spare's member key")
     window = max(1.0, 20 * latency)
     stays(lambda: a.num_nodes_waiting() == b.num_nodes_waiting() == c.num_nodes_waiting() == 0,
           window, "a spare beside a full round made num_nodes_waiting() positive")
@@ -226,10 +210,10 @@ def test_late_joiner_waits_and_a_spare_beside_a_full_round_is_not_counted(cluste
     c.leave()
     wait_for(lambda: a.num_nodes_waiting() == 2 and b.num_nodes_waiting() == 2, 5,
              "participants count the gone node and the spare")
-    third = cluster.gather({**spare, **cluster.start([a, b])}, timeout=20)
+    third = nodes.gather({**spare, **nodes.start([a, b])}, timeout=20)
     assert_round_ok(third, 2, 3)
     assert ranks_of(third) == {"a": ranks_of(second)["a"], "b": ranks_of(second)["b"], "d": 2}
-    cluster.recorder.assert_sealed_once()
+    nodes.recorder.assert_sealed_once()
     figure(f"late joiner seen by participants' num_nodes_waiting() after {latency * 1000:.0f}ms")
 
 
@@ -237,12 +221,12 @@ def test_late_joiner_waits_and_a_spare_beside_a_full_round_is_not_counted(cluste
 
 
 @pytest.mark.parametrize("rejoin", ["after_notice", "at_once"])
-def test_killed_node_is_detected_and_survivors_reseal(cluster, rejoin):
-    settings = cluster.settings(min_nodes=3, max_nodes=4, last_call_timeout=30.0)
-    survivors = [cluster.node(f"s{i}", settings) for i in range(3)]
-    pending = cluster.start(survivors)
-    victim = cluster.process("victim", min_nodes=3, max_nodes=4, heartbeat=HB, last_call=30.0)
-    first = cluster.gather(pending, timeout=30)
+def test_killed_node_is_detected_and_survivors_reseal(nodes, rejoin):
+    settings = nodes.settings(min_nodes=3, max_nodes=4, last_call_timeout=30.0)
+    survivors = [nodes.node(f"s{i}", settings) for i in range(3)]
+    pending = nodes.start(survivors)
+    victim = nodes.process("victim", min_nodes=3, max_nodes=4, heartbeat=HB, last_call=30.0)
+    first = nodes.gather(pending, timeout=30)
     first["victim"] = victim.result(timeout=10)
     assert_round_ok(first, 3, 4)
     assert one(first).world_size == 4
@@ -250,8 +234,8 @@ def test_killed_node_is_detected_and_survivors_reseal(cluster, rejoin):
     killed = time.monotonic()
     victim.kill()
     if rejoin == "at_once":  # survivors re-join at once, e.g. after a collective failed
-        pending = cluster.start(survivors)
-    wait_for(lambda: "victim" not in cluster.members(), HB + 4,
+        pending = nodes.start(survivors)
+    wait_for(lambda: "victim" not in nodes.members(), HB + 4,
              "the killed node's member key is deleted with its session")
     gone = time.monotonic()
     noticed = None
@@ -259,8 +243,8 @@ def test_killed_node_is_detected_and_survivors_reseal(cluster, rejoin):
         wait_for(lambda: all(n.num_nodes_waiting() >= 1 for n in survivors), 5,
                  "survivors' num_nodes_waiting() > 0")
         noticed = time.monotonic()
-        pending = cluster.start(survivors)
-    second = cluster.gather(pending, timeout=20)
+        pending = nodes.start(survivors)
+    second = nodes.gather(pending, timeout=20)
     sealed = time.monotonic()
     assert_round_ok(second, 3, 4)
     assert one(second).world_size == 3 and "victim" not in one(second).participants
@@ -270,7 +254,7 @@ def test_killed_node_is_detected_and_survivors_reseal(cluster, rejoin):
     for node, r in second.items():
         if first[node].rank < 3:
             assert r.rank == first[node].rank, "a survivor below the new world size keeps its rank"
-    cluster.recorder.assert_sealed_once()
+    nodes.recorder.assert_sealed_once()
     figure(f"SIGKILL, heartbeat_timeout={HB:g}s, re-join {rejoin}: key gone after "
            f"{gone - killed:.2f}s"
            + (f", noticed after {noticed - killed:.2f}s" if noticed else "")
@@ -281,20 +265,20 @@ def test_killed_node_is_detected_and_survivors_reseal(cluster, rejoin):
 
 
 @pytest.mark.parametrize("when", ["before_others_arrive", "while_one_waits"])
-def test_coordinator_killed_while_a_round_forms(cluster, when):
-    coordinator = cluster.process("coord", min_nodes=3, max_nodes=3, heartbeat=HB)
-    wait_for(lambda: (cluster.leader() or Leader("", "", 0)).node == "coord", 15,
+def test_coordinator_killed_while_a_round_forms(nodes, when):
+    coordinator = nodes.process("coord", min_nodes=3, max_nodes=3, heartbeat=HB)
+    wait_for(lambda: (nodes.leader() or Leader("", "", 0)).node == "coord", 15,
              "the first process holds P/round/leader")
-    settings = cluster.settings(min_nodes=2, max_nodes=3, last_call_timeout=0.3)
-    a, b = cluster.node("a", settings), cluster.node("b", settings)
+    settings = nodes.settings(min_nodes=2, max_nodes=3, last_call_timeout=0.3)
+    a, b = nodes.node("a", settings), nodes.node("b", settings)
     pending = {}
     if when == "while_one_waits":
-        pending.update(cluster.start([a]))
-        wait_for(lambda: "a" in cluster.members(), 5, "a waits beside the coordinator")
+        pending.update(nodes.start([a]))
+        wait_for(lambda: "a" in nodes.members(), 5, "a waits beside the coordinator")
     killed = time.monotonic()
     coordinator.kill()
-    pending.update(cluster.start([b] if when == "while_one_waits" else [a, b]))
-    results = cluster.gather(pending, timeout=HB + 20)
+    pending.update(nodes.start([b] if when == "while_one_waits" else [a, b]))
+    results = nodes.gather(pending, timeout=HB + 20)
     took = time.monotonic() - killed
     assert_round_ok(results, 2, 3)
     r = one(results)
@@ -302,11 +286,11 @@ def test_coordinator_killed_while_a_round_forms(cluster, when):
     assert r.coordinator in ("a", "b")
     assert coordinator.events.get(timeout=5) is None, "the killed coordinator returned a round"
     # sealed once: the round in Consul is the one both got, and no other seal was ever seen
-    current = cluster.current_round()
+    current = nodes.current_round()
     assert (current.round, current.seal_id) == (r.round, r.seal_id)
-    wait_for(lambda: r.round in cluster.recorder.seals, 5, "the recorder saw the seal")
-    cluster.recorder.assert_sealed_once()
-    assert cluster.recorder.seals == {1: {r.seal_id}}
+    wait_for(lambda: r.round in nodes.recorder.seals, 5, "the recorder saw the seal")
+    nodes.recorder.assert_sealed_once()
+    assert nodes.recorder.seals == {1: {r.seal_id}}
     # nobody returns a second, different result: both are in the round, waiting for nothing
     assert a.current_round == results["a"] and b.current_round == results["b"]
     assert a.num_nodes_waiting() == b.num_nodes_waiting() == 0
@@ -316,16 +300,16 @@ def test_coordinator_killed_while_a_round_forms(cluster, when):
 # ============================================================================ 7. session destroyed
 
 
-def test_session_destroyed_from_outside_while_training(cluster, caplog):
-    settings = cluster.settings(min_nodes=2, max_nodes=2)
-    a, b = cluster.node("a", settings), cluster.node("b", settings)
-    first = cluster.rounds([a, b], timeout=20)
+def test_session_destroyed_from_outside_while_training(nodes, caplog):
+    settings = nodes.settings(min_nodes=2, max_nodes=2)
+    a, b = nodes.node("a", settings), nodes.node("b", settings)
+    first = nodes.rounds([a, b], timeout=20)
     assert_round_ok(first, 2, 2)
     old = a.session_id
-    assert cluster.keys_held_by(old)
+    assert nodes.keys_held_by(old)
 
     destroyed = time.monotonic()
-    cluster.admin.session_destroy(old)  # as an operator would in the UI
+    nodes.admin.session_destroy(old)  # as an operator would in the UI
     wait_for(lambda: a.num_nodes_waiting() >= 1, 5, "a notices that its session is gone")
     noticed = time.monotonic() - destroyed
     wait_for(lambda: b.num_nodes_waiting() >= 1, 5, "b sees a's member key vanish")
@@ -343,7 +327,7 @@ def test_session_destroyed_from_outside_while_training(cluster, caplog):
     a.client.agent_service_register = spy
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="consul_rdzv.registration"):
-        second = cluster.rounds([a, b], timeout=20)
+        second = nodes.rounds([a, b], timeout=20)
     assert_round_ok(second, 2, 2)
     assert one(second).round == 2
     assert joins == [], "the service was registered again although it still existed"
@@ -351,21 +335,21 @@ def test_session_destroyed_from_outside_while_training(cluster, caplog):
     registrations = [r for r in caplog.records if r.getMessage().startswith("Node a of run ")
                      and "registered service" in r.getMessage()]
     assert len(registrations) == 1, "registered more than once (a spurious loss)"
-    assert cluster.admin.session_info(old) is None
-    assert not cluster.keys_held_by(old), "a key is held by the dead session"
-    assert cluster.members()["a"].session == a.session_id
-    leader = cluster.leader()
+    assert nodes.admin.session_info(old) is None
+    assert not nodes.keys_held_by(old), "a key is held by the dead session"
+    assert nodes.members()["a"].session == a.session_id
+    leader = nodes.leader()
     assert leader is not None and leader.session in (a.session_id, b.session_id)
     assert a.num_nodes_waiting() == 0
     figure(f"session destroyed from outside: the node noticed after {noticed * 1000:.0f}ms")
 
 
-def test_training_heartbeat_passes_the_check_without_probing_the_session(cluster):
+def test_training_heartbeat_passes_the_check_without_probing_the_session(nodes):
     # During training the watch sees our member key vanish if the session dies, so the heartbeat
     # only passes the TTL check (one request a beat, not two).
-    settings = cluster.settings(min_nodes=2, max_nodes=2)
-    a, b = cluster.node("a", settings), cluster.node("b", settings)
-    assert_round_ok(cluster.rounds([a, b], timeout=20), 2, 2)
+    settings = nodes.settings(min_nodes=2, max_nodes=2)
+    a, b = nodes.node("a", settings), nodes.node("b", settings)
+    assert_round_ok(nodes.rounds([a, b], timeout=20), 2, 2)
     before = dict(a.client.request_counts)
     wait_for(lambda: a.client.request_counts["PUT agent"] >= before.get("PUT agent", 0) + 3,
              HB * 5, "three heartbeats of a")
@@ -373,13 +357,13 @@ def test_training_heartbeat_passes_the_check_without_probing_the_session(cluster
     assert a.num_nodes_waiting() == 0
 
 
-def test_training_watch_reads_key_names_on_a_death_and_stops_once_the_round_is_over(cluster):
+def test_training_watch_reads_key_names_on_a_death_and_stops_once_the_round_is_over(nodes):
     # At scale every survivor's watch wakes when one node dies: the names of the member keys
     # tell it, without reading (and decoding) every member's value. Once a round is over the
     # watch stops: reading on would cost every node a request per re-announcement.
-    settings = cluster.settings(min_nodes=2, max_nodes=3)
-    a, b, c = (cluster.node(i, settings) for i in "abc")
-    assert_round_ok(cluster.rounds([a, b, c], timeout=20), 2, 3)
+    settings = nodes.settings(min_nodes=2, max_nodes=3)
+    a, b, c = (nodes.node(i, settings) for i in "abc")
+    assert_round_ok(nodes.rounds([a, b, c], timeout=20), 2, 3)
     full_reads: dict[str, int] = {"a": 0, "b": 0}
     keys_queries: dict[str, int] = {"a": 0, "b": 0}
     for node in (a, b):
@@ -393,7 +377,7 @@ def test_training_watch_reads_key_names_on_a_death_and_stops_once_the_round_is_o
         node.client.kv_list = spy
         node.client.kv_keys_query = keys_spy
 
-    cluster.admin.session_destroy(c.session_id)  # c's member key goes with its session
+    nodes.admin.session_destroy(c.session_id)  # c's member key goes with its session
     wait_for(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1, 5,
              "a and b see c gone")
     assert full_reads == {"a": 0, "b": 0}
@@ -403,64 +387,63 @@ def test_training_watch_reads_key_names_on_a_death_and_stops_once_the_round_is_o
     queries = dict(keys_queries)
 
     # a asks for a new round: b's watch has ended, so a's rewrite costs b nothing
-    pending = cluster.start([a])
-    wait_for(lambda: "a" in cluster.members() and cluster.members()["a"].modify_index
+    pending = nodes.start([a])
+    wait_for(lambda: "a" in nodes.members() and nodes.members()["a"].modify_index
              > one({"x": a.current_round}).members_index, 5, "a re-announced")
     stays(lambda: keys_queries["b"] == queries["b"] and full_reads["b"] == 0, 0.5,
           "b's watch, which ended, still read the members")
     assert b.num_nodes_waiting() == 1
-    second = cluster.gather({**pending, **cluster.start([b])}, timeout=20)
+    second = nodes.gather({**pending, **nodes.start([b])}, timeout=20)
     assert_round_ok(second, 2, 3)
     assert one(second).world_size == 2 and one(second).round == 2
 
 
-def test_session_destroyed_while_coordinating(cluster):
-    settings = cluster.settings(min_nodes=2, max_nodes=2)
-    a, b = cluster.node("a", settings), cluster.node("b", settings)
-    pending = cluster.start([a])
-    wait_for(lambda: (cluster.leader() or Leader("", "", 0)).node == "a", 5,
+def test_session_destroyed_while_coordinating(nodes):
+    settings = nodes.settings(min_nodes=2, max_nodes=2)
+    a, b = nodes.node("a", settings), nodes.node("b", settings)
+    pending = nodes.start([a])
+    wait_for(lambda: (nodes.leader() or Leader("", "", 0)).node == "a", 5,
              "a coordinates, alone")
     old = a.session_id
-    cluster.admin.session_destroy(old)
+    nodes.admin.session_destroy(old)
     wait_for(lambda: a.session_id not in (None, old), 5, "a registers again")
-    pending.update(cluster.start([b]))
-    results = cluster.gather(pending, timeout=20)
+    pending.update(nodes.start([b]))
+    results = nodes.gather(pending, timeout=20)
     assert_round_ok(results, 2, 2)
-    assert not cluster.keys_held_by(old)
-    assert cluster.members()["a"].session == a.session_id
+    assert not nodes.keys_held_by(old)
+    assert nodes.members()["a"].session == a.session_id
 
 
-def test_member_key_deleted_by_hand_from_the_coordinator(cluster):
+def test_member_key_deleted_by_hand_from_the_coordinator(nodes):
     """``consul kv delete`` of a live node's key: its session lives on, holding the leader key;
     the node must give that session up (not just stop using it) for a round to form again."""
-    settings = cluster.settings(min_nodes=2, max_nodes=2, join_timeout=10.0)
-    nodes = {i: cluster.node(i, settings) for i in "ab"}
-    first = cluster.rounds(nodes.values(), timeout=20)
+    settings = nodes.settings(min_nodes=2, max_nodes=2, join_timeout=10.0)
+    ns = {i: nodes.node(i, settings) for i in "ab"}
+    first = nodes.rounds(ns.values(), timeout=20)
     assert_round_ok(first, 2, 2)
-    coordinator = nodes[cluster.leader().node]
+    coordinator = ns[nodes.leader().node]
     old = coordinator.session_id
-    assert cluster.admin.kv_delete(cluster.keys.member(coordinator.node_id))
-    wait_for(lambda: all(n.num_nodes_waiting() >= 1 for n in nodes.values()), 5,
+    assert nodes.admin.kv_delete(nodes.keys.member(coordinator.node_id))
+    wait_for(lambda: all(n.num_nodes_waiting() >= 1 for n in ns.values()), 5,
              "both nodes see the coordinator's key gone")
-    second = cluster.rounds(nodes.values(), timeout=20)
+    second = nodes.rounds(ns.values(), timeout=20)
     assert_round_ok(second, 2, 2)
     assert one(second).round == 2
-    assert cluster.admin.session_info(old) is None, "the abandoned session still exists"
-    assert not cluster.keys_held_by(old)
+    assert nodes.admin.session_info(old) is None, "the abandoned session still exists"
+    assert not nodes.keys_held_by(old)
 
 
 # ============================================================================ 8. Consul outages
 
 
 @pytest.mark.parametrize("how", ["restart", "crash"])
-def test_agent_restart_while_nodes_wait(fresh_cluster, fresh_agent, how):
-    cluster = fresh_cluster
+def test_agent_restart_while_nodes_wait(fresh_nodes, fresh_agent, how):
     consul_timeout = 3.0
-    settings = cluster.settings(min_nodes=3, max_nodes=3, join_timeout=45.0,
-                                consul_timeout=consul_timeout)
-    a, b, c = (cluster.node(i, settings) for i in "abc")
-    pending = cluster.start([a, b])
-    wait_for(lambda: {"a", "b"} <= set(cluster.members()) and cluster.leader(), 10,
+    settings = fresh_nodes.settings(min_nodes=3, max_nodes=3, join_timeout=45.0,
+                                    consul_timeout=consul_timeout)
+    a, b, c = (fresh_nodes.node(i, settings) for i in "abc")
+    pending = fresh_nodes.start([a, b])
+    wait_for(lambda: {"a", "b"} <= set(fresh_nodes.members()) and fresh_nodes.leader(), 10,
              "a and b wait, one of them coordinating")
     waiting_since = time.monotonic()
     old = {a.session_id, b.session_id}
@@ -472,9 +455,9 @@ def test_agent_restart_while_nodes_wait(fresh_cluster, fresh_agent, how):
     fresh_agent.restart(crash=how == "crash")
     outage = time.monotonic() - restarted
     assert outage < consul_timeout, f"restart took {outage:.1f}s; the test needs a short outage"
-    pending.update(cluster.start([c]))
+    pending.update(fresh_nodes.start([c]))
     try:
-        results = cluster.gather(pending, timeout=settings.join_timeout + 10)
+        results = fresh_nodes.gather(pending, timeout=settings.join_timeout + 10)
     except RendezvousError as exc:
         pytest.fail(f"a {outage:.1f}s outage (consul_timeout {consul_timeout:g}s, waiting for "
                     f"{restarted - waiting_since:.1f}s) was not ridden out: {exc!r}")
@@ -484,24 +467,23 @@ def test_agent_restart_while_nodes_wait(fresh_cluster, fresh_agent, how):
     # a retry that blocked at the old agent's index would sit out a whole ROUND_WAIT first
     assert took < ROUND_WAIT / 2, f"round sealed {took:.1f}s after the restart"
     assert not old & {a.session_id, b.session_id}, "nodes registered again with new sessions"
-    assert set(cluster.members()) == {"a", "b", "c"}
+    assert set(fresh_nodes.members()) == {"a", "b", "c"}
     figure(f"agent {how} ({outage:.2f}s outage) while 2 nodes waited: round sealed "
            f"{took:.2f}s after the restart began")
 
 
-def test_agent_down_longer_than_consul_timeout(fresh_cluster, fresh_agent):
-    cluster = fresh_cluster
-    settings = cluster.settings(min_nodes=2, max_nodes=2, consul_timeout=1.5,
-                                join_timeout=6.0, close_timeout=1.0)
-    a = cluster.node("a", settings)
+def test_agent_down_longer_than_consul_timeout(fresh_nodes, fresh_agent):
+    settings = fresh_nodes.settings(min_nodes=2, max_nodes=2, consul_timeout=1.5,
+                                    join_timeout=6.0, close_timeout=1.0)
+    a = fresh_nodes.node("a", settings)
     started = time.monotonic()
-    pending = cluster.start([a])
-    wait_for(lambda: (cluster.leader() or Leader("", "", 0)).node == "a", 5,
+    pending = fresh_nodes.start([a])
+    wait_for(lambda: (fresh_nodes.leader() or Leader("", "", 0)).node == "a", 5,
              "a waits, coordinating")
     stopped = time.monotonic()  # the outage starts during stop()
     fresh_agent.stop()
     with pytest.raises(RendezvousConnectionError) as info:
-        cluster.gather(pending, timeout=settings.join_timeout + 10)
+        fresh_nodes.gather(pending, timeout=settings.join_timeout + 10)
     took = time.monotonic() - stopped
     assert fresh_agent.address in str(info.value)
     # (a call already in flight when Consul went away may have started its budget a bit earlier)
@@ -509,10 +491,10 @@ def test_agent_down_longer_than_consul_timeout(fresh_cluster, fresh_agent):
     assert took < settings.consul_timeout + 3, "retried much longer than consul_timeout"
     assert time.monotonic() - started < settings.join_timeout, "retried past join_timeout"
     # a joiner that starts while the agent is down fails the same way, after consul_timeout
-    b = cluster.node("b", settings)
+    b = fresh_nodes.node("b", settings)
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match=re.escape(fresh_agent.address)):
-        cluster.rounds([b], timeout=settings.consul_timeout + 10)
+        fresh_nodes.rounds([b], timeout=settings.consul_timeout + 10)
     took_b = time.monotonic() - started
     assert settings.consul_timeout <= took_b < settings.consul_timeout + 3
     figure(f"agent stopped under a waiting node: RendezvousConnectionError after {took:.2f}s "
@@ -531,25 +513,25 @@ def test_agent_down_longer_than_consul_timeout(fresh_cluster, fresh_agent):
     ("members/ghost", b'{"v": 1, "node": "other", "host": "h", "pid": 1}'),
     ("foo", b'{"v": 1}'),
 ])
-def test_corrupt_or_foreign_values_are_refused(cluster, key, value):
-    full_key = f"{cluster.keys.prefix}/{key}"
-    assert cluster.admin.kv_put(full_key, value)
-    node = cluster.node("a", cluster.settings(min_nodes=1, max_nodes=1))
+def test_corrupt_or_foreign_values_are_refused(nodes, key, value):
+    full_key = f"{nodes.keys.prefix}/{key}"
+    assert nodes.admin.kv_put(full_key, value)
+    node = nodes.node("a", nodes.settings(min_nodes=1, max_nodes=1))
     with pytest.raises(RendezvousStateError) as info:
-        cluster.rounds([node], timeout=20)
+        nodes.rounds([node], timeout=20)
     assert full_key in str(info.value)
     if key != "round/current":
-        assert cluster.current_round() is None, "a round was sealed over foreign state"
+        assert nodes.current_round() is None, "a round was sealed over foreign state"
 
 
 # ============================================================================ 10. closed runs
 
 
-def test_close_releases_every_waiter_and_the_run_opens_again_once_they_are_gone(cluster):
-    settings = cluster.settings(min_nodes=3, max_nodes=3)
-    a, b, closer = (cluster.node(i, settings) for i in ("a", "b", "closer"))
-    pending = cluster.start([a, b])
-    wait_for(lambda: {"a", "b"} <= set(cluster.members()), 5, "a and b wait")
+def test_close_releases_every_waiter_and_the_run_opens_again_once_they_are_gone(nodes):
+    settings = nodes.settings(min_nodes=3, max_nodes=3)
+    a, b, closer = (nodes.node(i, settings) for i in ("a", "b", "closer"))
+    pending = nodes.start([a, b])
+    wait_for(lambda: {"a", "b"} <= set(nodes.members()), 5, "a and b wait")
     assert not closer.is_closed()
 
     started = time.monotonic()
@@ -560,118 +542,118 @@ def test_close_releases_every_waiter_and_the_run_opens_again_once_they_are_gone(
         assert node_id
     took = time.monotonic() - started
     assert took < 3, f"waiters released {took:.2f}s after close()"
-    assert not cluster.members(), "closed waiters withdraw their member keys"
+    assert not nodes.members(), "closed waiters withdraw their member keys"
     assert all(n.is_closed() for n in (a, b, closer))
 
     # Nobody of the closed job is left: a process started now is a new job on the run id (a
     # re-run), and opens the run again.
-    late = cluster.node("late", settings)
-    reopened = cluster.start([late])
-    wait_for(lambda: "late" in cluster.members() and not closer.is_closed(), 5,
+    late = nodes.node("late", settings)
+    reopened = nodes.start([late])
+    wait_for(lambda: "late" in nodes.members() and not closer.is_closed(), 5,
              "the late joiner reopened the run and waits for a new round")
     assert not reopened["late"].done()
     figure(f"close(): waiters got RendezvousClosedError after {took * 1000:.0f}ms")
 
 
-def test_finished_run_refuses_its_stragglers_and_a_rerun_waits_for_its_nodes(cluster):
+def test_finished_run_refuses_its_stragglers_and_a_rerun_waits_for_its_nodes(nodes):
     """The finished job's nodes close the run. A straggler of that job (a process started
     before the close) is refused, never running the job again on its own; a re-run (a process
     started after the close) waits while a node of the job lives, and starts a new job, rounds
     counted from 1, once the last one has left."""
-    settings = cluster.settings(min_nodes=2, max_nodes=2)
-    a, b = cluster.node("a", settings), cluster.node("b", settings)
-    straggler = cluster.node("straggler", cluster.settings(min_nodes=1, max_nodes=1))
-    first = cluster.rounds([a, b], timeout=20)
+    settings = nodes.settings(min_nodes=2, max_nodes=2)
+    a, b = nodes.node("a", settings), nodes.node("b", settings)
+    straggler = nodes.node("straggler", nodes.settings(min_nodes=1, max_nodes=1))
+    first = nodes.rounds([a, b], timeout=20)
     assert_round_ok(first, 2, 2)
     assert a.close_if_current(first["a"], "job finished", outcome="finished")
     assert b.close_if_current(first["b"], "job finished"), "already closed counts as closed"
     assert a.leave()
 
     with pytest.raises(RendezvousClosedError) as info:
-        cluster.rounds([straggler], timeout=10)
+        nodes.rounds([straggler], timeout=10)
     assert "job finished" in str(info.value)
     assert "belongs to the job that ended" in str(info.value), str(info.value)
-    assert "straggler" not in cluster.members()
+    assert "straggler" not in nodes.members()
 
-    rerun = [cluster.node(f"new-{i}", settings) for i in range(2)]
-    pending = cluster.start(rerun)
-    wait_for(lambda: {"new-0", "new-1"} <= set(cluster.members()), 10, "the re-run's nodes")
-    stays(lambda: not any(f.done() for f in pending.values()) and cluster.current_round()
-          and cluster.current_round().closed, 1.0,
+    rerun = [nodes.node(f"new-{i}", settings) for i in range(2)]
+    pending = nodes.start(rerun)
+    wait_for(lambda: {"new-0", "new-1"} <= set(nodes.members()), 10, "the re-run's nodes")
+    stays(lambda: not any(f.done() for f in pending.values()) and nodes.current_round()
+          and nodes.current_round().closed, 1.0,
           "the re-run started (or failed) while a node of the finished job was alive")
 
     assert b.leave()  # the last node of the finished job: the re-run starts now
-    second = cluster.gather(pending, timeout=20)
+    second = nodes.gather(pending, timeout=20)
     assert_round_ok(second, 2, 2)
     assert one(second).round == 1
     for node in rerun:
         assert node.leave()
-    assert not cluster.admin.kv_keys(cluster.keys.prefix + "/"), "keys of an ended job stayed"
+    assert not nodes.admin.kv_keys(nodes.keys.prefix + "/"), "keys of an ended job stayed"
 
 
-def test_finished_run_keeps_its_closed_marker_for_a_while_after_its_last_node(cluster):
+def test_finished_run_keeps_its_closed_marker_for_a_while_after_its_last_node(nodes):
     """The last node of a finished job leaves the closed marker (shrunk) under a session with
     the closed_retention TTL: a straggler started before the close is still refused, a re-run
     reopens the run at once and removes marker and session; left alone, Consul deletes the
     marker when the session expires."""
-    settings = cluster.settings(min_nodes=1, max_nodes=1, closed_retention=10)
-    a = cluster.node("a", settings)
-    straggler = cluster.node("straggler", settings)
-    first = one(cluster.rounds([a], timeout=20))
+    settings = nodes.settings(min_nodes=1, max_nodes=1, closed_retention=10)
+    a = nodes.node("a", settings)
+    straggler = nodes.node("straggler", settings)
+    first = one(nodes.rounds([a], timeout=20))
     assert a.close_if_current(first, "job finished", outcome="finished")
     assert a.leave()
-    entry = cluster.admin.kv_get(cluster.keys.round).data
+    entry = nodes.admin.kv_get(nodes.keys.round).data
     assert entry is not None and entry.session, "the closed marker was not kept"
-    kept = cluster.admin.session_info(entry.session)
+    kept = nodes.admin.session_info(entry.session)
     assert kept["TTL"] == "10s" and kept["Behavior"] == "delete" and not kept["NodeChecks"]
-    assert cluster.admin.kv_keys(cluster.keys.prefix + "/") == [cluster.keys.round]
+    assert nodes.admin.kv_keys(nodes.keys.prefix + "/") == [nodes.keys.round]
     assert len(entry.value) < 400, "the kept marker should not carry the round's ranks"
     with pytest.raises(RendezvousClosedError, match="belongs to the job that ended"):
-        cluster.rounds([straggler], timeout=10)
+        nodes.rounds([straggler], timeout=10)
 
-    rerun = cluster.node("rerun", settings)
-    second = one(cluster.rounds([rerun], timeout=20))
+    rerun = nodes.node("rerun", settings)
+    second = one(nodes.rounds([rerun], timeout=20))
     assert second.round == 1 and second.participants == ["rerun"]
-    assert cluster.admin.session_info(entry.session) is None, "the marker's session stayed"
+    assert nodes.admin.session_info(entry.session) is None, "the marker's session stayed"
     assert rerun.close_if_current(second, "job finished", outcome="finished")
     assert rerun.leave()
-    entry = cluster.admin.kv_get(cluster.keys.round).data
+    entry = nodes.admin.kv_get(nodes.keys.round).data
     assert entry is not None and entry.session
     # Consul deletes the marker when its session's TTL runs out (servers allow up to 2x TTL)
-    wait_for(lambda: not cluster.admin.kv_keys(cluster.keys.prefix + "/"), 2 * 10 + 10,
+    wait_for(lambda: not nodes.admin.kv_keys(nodes.keys.prefix + "/"), 2 * 10 + 10,
              "Consul deleting the kept marker")
-    assert cluster.admin.session_info(entry.session) is None
+    assert nodes.admin.session_info(entry.session) is None
 
 
-def test_closed_run_whose_nodes_all_died_opens_again_for_a_new_job(cluster):
+def test_closed_run_whose_nodes_all_died_opens_again_for_a_new_job(nodes):
     """The closed marker stays when the job's last node dies instead of leaving: the next
     joiner finds no live node of that job and reopens the run."""
-    settings = cluster.settings(min_nodes=1, max_nodes=1)
-    victim = cluster.process("victim", min_nodes=1, max_nodes=1, heartbeat=HB)
+    settings = nodes.settings(min_nodes=1, max_nodes=1)
+    victim = nodes.process("victim", min_nodes=1, max_nodes=1, heartbeat=HB)
     first = victim.result(timeout=20)
-    closer = cluster.node("closer", settings)
+    closer = nodes.node("closer", settings)
     closer.close("the job failed")
     victim.kill()
-    wait_for(lambda: "victim" not in cluster.members(), HB + 5, "the dead node's key is gone")
+    wait_for(lambda: "victim" not in nodes.members(), HB + 5, "the dead node's key is gone")
     assert closer.is_closed()
-    late = cluster.node("late", settings)
-    result = one(cluster.rounds([late], timeout=20))
+    late = nodes.node("late", settings)
+    result = one(nodes.rounds([late], timeout=20))
     assert result.participants == ["late"]
     assert result.round == 1, "a new job counts its rounds from 1"
     assert first.round == 1
     assert not late.is_closed()
 
 
-def test_leave_never_closes_the_run(cluster):
-    settings = cluster.settings(min_nodes=1, max_nodes=1)
-    a, b = cluster.node("a", settings), cluster.node("b", settings)
-    first = cluster.rounds([a], timeout=20)
+def test_leave_never_closes_the_run(nodes):
+    settings = nodes.settings(min_nodes=1, max_nodes=1)
+    a, b = nodes.node("a", settings), nodes.node("b", settings)
+    first = nodes.rounds([a], timeout=20)
     assert_round_ok(first, 1, 1)
     assert a.leave()
     assert a.leave(), "leave() is idempotent"
     assert not b.is_closed()
-    assert not cluster.admin.kv_keys(cluster.keys.prefix + "/"), "the last leaver left keys"
-    second = cluster.rounds([b], timeout=20)
+    assert not nodes.admin.kv_keys(nodes.keys.prefix + "/"), "the last leaver left keys"
+    second = nodes.rounds([b], timeout=20)
     assert_round_ok(second, 1, 1)
     assert one(second).round == 1, "a job started on an emptied run counts from round 1"
     with pytest.raises(RendezvousStateError, match="has left"):
@@ -681,63 +663,63 @@ def test_leave_never_closes_the_run(cluster):
 # ============================================================================ 11. rank policies
 
 
-def test_natural_rank_policy(cluster):
-    settings = cluster.settings(min_nodes=4, max_nodes=4, rank_policy="natural")
+def test_natural_rank_policy(nodes):
+    settings = nodes.settings(min_nodes=4, max_nodes=4, rank_policy="natural")
     hosts = {"w": "node10", "x": "node9", "y": "node1", "z": "node2"}
-    nodes = [cluster.node(n, settings, host=h) for n, h in hosts.items()]
-    results = cluster.rounds(nodes, timeout=20)
+    ns = [nodes.node(n, settings, host=h) for n, h in hosts.items()]
+    results = nodes.rounds(ns, timeout=20)
     assert_round_ok(results, 4, 4)
     assert one(results).hosts == ["node1", "node2", "node9", "node10"]
     assert one(results).participants == ["y", "z", "x", "w"]
 
 
-def test_topology_rank_policy(cluster):
+def test_topology_rank_policy(nodes):
     spec = {  # node: (host, zone, rack)
         "p": ("h1", "zone-b", "r1"),
         "q": ("h2", "zone-a", "r10"),
         "r": ("h3", "zone-a", "r2"),
         "s": ("h0", "zone-a", "r2"),
     }
-    nodes = []
+    ns = []
     for node_id, (host, zone, rack) in spec.items():
-        settings = cluster.settings(min_nodes=4, max_nodes=4, rank_policy="topology",
-                                    topology_keys=("zone", "rack"),
-                                    node_meta={"zone": zone, "rack": rack})
-        nodes.append(cluster.node(node_id, settings, host=host))
-    results = cluster.rounds(nodes, timeout=20)
+        settings = nodes.settings(min_nodes=4, max_nodes=4, rank_policy="topology",
+                                  topology_keys=("zone", "rack"),
+                                  node_meta={"zone": zone, "rack": rack})
+        ns.append(nodes.node(node_id, settings, host=host))
+    results = nodes.rounds(ns, timeout=20)
     assert_round_ok(results, 4, 4)
     assert one(results).participants == ["s", "r", "q", "p"]
     assert one(results).hosts == ["h0", "h3", "h2", "h1"]
 
 
-def test_explicit_rank_policy_and_duplicate_ranks(cluster):
+def test_explicit_rank_policy_and_duplicate_ranks(nodes):
     def explicit(rank):
-        return cluster.settings(min_nodes=3, max_nodes=3, rank_policy="explicit", node_rank=rank)
+        return nodes.settings(min_nodes=3, max_nodes=3, rank_policy="explicit", node_rank=rank)
 
-    nodes = [cluster.node("a", explicit(2)), cluster.node("b", explicit(0))]
-    pending = cluster.start(nodes)
-    wait_for(lambda: {"a", "b"} <= set(cluster.members()), 5, "a and b wait")
-    dup = cluster.node("dup", explicit(0))
+    ns = [nodes.node("a", explicit(2)), nodes.node("b", explicit(0))]
+    pending = nodes.start(ns)
+    wait_for(lambda: {"a", "b"} <= set(nodes.members()), 5, "a and b wait")
+    dup = nodes.node("dup", explicit(0))
     with pytest.raises(RendezvousStateError) as info:
-        cluster.rounds([dup], timeout=10)
+        nodes.rounds([dup], timeout=10)
     assert "b" in str(info.value).split() and "dup" in str(info.value).split()
-    assert "dup" not in cluster.members()
-    pending.update(cluster.start([cluster.node("c", explicit(1))]))
-    results = cluster.gather(pending, timeout=20)
+    assert "dup" not in nodes.members()
+    pending.update(nodes.start([nodes.node("c", explicit(1))]))
+    results = nodes.gather(pending, timeout=20)
     assert_round_ok(results, 3, 3)
     assert ranks_of(results) == {"a": 2, "b": 0, "c": 1}
 
 
-def test_stable_rank_policy_survivor_keeps_rank_newcomer_fills_the_hole(cluster):
-    settings = cluster.settings(min_nodes=3, max_nodes=3)
-    nodes = {i: cluster.node(i, settings) for i in "abc"}
-    first = cluster.rounds(nodes.values(), timeout=20)
+def test_stable_rank_policy_survivor_keeps_rank_newcomer_fills_the_hole(nodes):
+    settings = nodes.settings(min_nodes=3, max_nodes=3)
+    ns = {i: nodes.node(i, settings) for i in "abc"}
+    first = nodes.rounds(ns.values(), timeout=20)
     assert_round_ok(first, 3, 3)
     by_rank = {r.rank: node for node, r in first.items()}
-    assert nodes[by_rank[1]].leave()
-    survivors = [nodes[by_rank[0]], nodes[by_rank[2]]]
-    newcomer = cluster.node("d", settings)
-    second = cluster.rounds([*survivors, newcomer], timeout=20)
+    assert ns[by_rank[1]].leave()
+    survivors = [ns[by_rank[0]], ns[by_rank[2]]]
+    newcomer = nodes.node("d", settings)
+    second = nodes.rounds([*survivors, newcomer], timeout=20)
     assert_round_ok(second, 3, 3)
     assert ranks_of(second) == {by_rank[0]: 0, by_rank[2]: 2, "d": 1}
 
@@ -745,20 +727,20 @@ def test_stable_rank_policy_survivor_keeps_rank_newcomer_fills_the_hole(cluster)
 # ============================================================================ 12. service
 
 
-def test_service_instance_is_visible_in_consul_and_leave_cleans_up(cluster):
-    settings = cluster.settings(min_nodes=1, max_nodes=1, node_meta={"zone": "z1"})
-    node = cluster.node("a", settings, host="host-a")
+def test_service_instance_is_visible_in_consul_and_leave_cleans_up(nodes):
+    settings = nodes.settings(min_nodes=1, max_nodes=1, node_meta={"zone": "z1"})
+    node = nodes.node("a", settings, host="host-a")
 
     def instance():
-        entries = cluster.admin.health_service(settings.service, passing=True).data
+        entries = nodes.admin.health_service(settings.service, passing=True).data
         mine = [e for e in entries if e["Service"]["ID"] == node.service_id]
         return mine[0] if mine else None
 
-    result = one(cluster.rounds([node], timeout=20))
+    result = one(nodes.rounds([node], timeout=20))
     entry = wait_for(lambda: (e := instance()) and e["Service"]["Meta"].get("round") == "1" and e,
                      5, "service meta shows the round")
     meta = entry["Service"]["Meta"]
-    assert meta["run_id"] == cluster.run_id and meta["node_id"] == "a"
+    assert meta["run_id"] == nodes.run_id and meta["node_id"] == "a"
     assert meta["host"] == "host-a" and meta["zone"] == "z1"
     assert meta["rank"] == str(result.rank) and meta["state"] == "training"
     assert meta["world_size"] == "1"
@@ -769,7 +751,7 @@ def test_service_instance_is_visible_in_consul_and_leave_cleans_up(cluster):
     service = entry["Service"]
     assert service["Address"] == "host-a"
     assert service["Port"] == store["port"], "rank 0 shows the trainer store it hosts"
-    assert {"consul-rdzv", f"run-{cluster.run_id}", "state-training", "rank-0"} \
+    assert {"consul-rdzv", f"run-{nodes.run_id}", "state-training", "rank-0"} \
         <= set(service["Tags"])
     ours = [c for c in entry["Checks"] if c["CheckID"] == node.check_id]
     assert ours and ours[0]["Notes"] == "round 1 · rank 0/1 · training", ours
@@ -777,21 +759,21 @@ def test_service_instance_is_visible_in_consul_and_leave_cleans_up(cluster):
     session = node.session_id
     assert node.leave()
     wait_for(lambda: instance() is None, 5, "the service is deregistered")
-    assert not cluster.admin.health_service(settings.service, passing=False).data
-    assert "a" not in cluster.members()
-    assert cluster.admin.session_info(session) is None
+    assert not nodes.admin.health_service(settings.service, passing=False).data
+    assert "a" not in nodes.members()
+    assert nodes.admin.session_info(session) is None
 
 
 # ============================================================================ 13. no requests
 
 
-def test_num_nodes_waiting_makes_no_consul_request(cluster):
+def test_num_nodes_waiting_makes_no_consul_request(nodes):
     # a long heartbeat interval (10 s) keeps the background threads quiet during the count
-    settings = cluster.settings(min_nodes=1, max_nodes=1, heartbeat_timeout=30.0)
-    node = cluster.node("a", settings)
-    one(cluster.rounds([node], timeout=20))
+    settings = nodes.settings(min_nodes=1, max_nodes=1, heartbeat_timeout=30.0)
+    node = nodes.node("a", settings)
+    one(nodes.rounds([node], timeout=20))
     wait_for(lambda: any(e["Service"]["Meta"].get("round") == "1" for e in
-                         cluster.admin.health_service(settings.service).data),
+                         nodes.admin.health_service(settings.service).data),
              5, "the heartbeat published the round (its last request for a while)")
     before = node.client.requests_sent
     values = [node.num_nodes_waiting() for _ in range(100)]
@@ -803,11 +785,11 @@ def test_num_nodes_waiting_makes_no_consul_request(cluster):
 # ============================================================================ 14. join timeout
 
 
-def test_join_timeout_says_how_many_nodes_were_present(cluster):
-    settings = cluster.settings(min_nodes=3, max_nodes=3, join_timeout=1.5)
-    nodes = [cluster.node(i, settings) for i in "ab"]
+def test_join_timeout_says_how_many_nodes_were_present(nodes):
+    settings = nodes.settings(min_nodes=3, max_nodes=3, join_timeout=1.5)
+    ns = [nodes.node(i, settings) for i in "ab"]
     started = time.monotonic()
-    pending = cluster.start(nodes)
+    pending = nodes.start(ns)
     counts = []
     for node_id, future in pending.items():
         with pytest.raises(RendezvousTimeoutError) as info:
@@ -822,19 +804,19 @@ def test_join_timeout_says_how_many_nodes_were_present(cluster):
     # the first node to give up saw both (a node withdraws only after its message is written)
     assert max(counts) == 2, counts
     assert 1.5 <= took < 6
-    assert not cluster.members(), "nodes that gave up withdrew their member keys"
-    assert cluster.leader() is None, "a node that gave up released the coordinator role"
+    assert not nodes.members(), "nodes that gave up withdrew their member keys"
+    assert nodes.leader() is None, "a node that gave up released the coordinator role"
 
 
-def test_timed_out_node_does_not_hold_back_later_rounds(cluster):
-    impatient = cluster.node("impatient", cluster.settings(min_nodes=2, max_nodes=2,
-                                                            join_timeout=1.0))
+def test_timed_out_node_does_not_hold_back_later_rounds(nodes):
+    impatient = nodes.node("impatient", nodes.settings(min_nodes=2, max_nodes=2,
+                                                       join_timeout=1.0))
     with pytest.raises(RendezvousTimeoutError):
-        cluster.rounds([impatient], timeout=10)
+        nodes.rounds([impatient], timeout=10)
     # it gave up, but its process lives on: it must neither coordinate nor be a candidate
-    settings = cluster.settings(min_nodes=2, max_nodes=2, join_timeout=15.0)
-    results = cluster.rounds([cluster.node("x", settings), cluster.node("y", settings)],
-                             timeout=20)
+    settings = nodes.settings(min_nodes=2, max_nodes=2, join_timeout=15.0)
+    results = nodes.rounds([nodes.node("x", settings), nodes.node("y", settings)],
+                           timeout=20)
     assert_round_ok(results, 2, 2)
     assert "impatient" not in one(results).participants
 
@@ -849,13 +831,13 @@ def test_bad_node_ids_are_refused(node_id):
         ConsulRendezvous(settings, node_id=node_id)
 
 
-def test_dotted_names_keep_every_key_inside_the_run_prefix(cluster):
-    settings = cluster.settings(key_prefix=f"{cluster.prefix}/v1.0/...", min_nodes=2,
-                                max_nodes=2)
-    nodes = [cluster.node(i, settings) for i in ("a.1", "...")]
-    results = cluster.rounds(nodes, timeout=20)
+def test_dotted_names_keep_every_key_inside_the_run_prefix(nodes):
+    settings = nodes.settings(key_prefix=f"{nodes.prefix}/v1.0/...", min_nodes=2,
+                              max_nodes=2)
+    ns = [nodes.node(i, settings) for i in ("a.1", "...")]
+    results = nodes.rounds(ns, timeout=20)
     assert_round_ok(results, 2, 2)
-    ours = [k for k in cluster.admin.kv_keys("") if cluster.prefix in k]
+    ours = [k for k in nodes.admin.kv_keys("") if nodes.prefix in k]
     assert sorted(ours) == sorted(f"{settings.prefix}/{k}" for k in
                                   ("members/a.1", "members/...", "round/leader",
                                    "round/current"))

@@ -20,6 +20,7 @@ from consul_rdzv.testing import ConsulAgent as DevAgent
 from consul_testing import ConsulAgent
 
 
+@pytest.mark.consul
 def test_consul_binary_returns_executable_of_at_least_1_14_if_available():
     binary = consul_binary(build=False)
     assert os.path.isfile(binary)
@@ -32,6 +33,7 @@ def test_consul_binary_returns_executable_of_at_least_1_14_if_available():
     assert tuple(int(p) for p in CONSUL_VERSION.split(".")) >= (1, 14, 0)
 
 
+@pytest.mark.consul
 def test_consul_binary_honours_consul_bin_if_it_is_executable(monkeypatch):
     real = consul_binary(build=False)
     monkeypatch.setenv("CONSUL_BIN", real)
@@ -50,6 +52,7 @@ def test_consul_binary_raises_binary_error_if_consul_bin_is_unusable(monkeypatch
     assert str(path) in str(info.value)
 
 
+@pytest.mark.consul
 def test_main_prints_the_binary_path_if_asked_for_path(capsys):
     assert main(["path"]) == 0
     assert capsys.readouterr().out.strip() == consul_binary(build=False)
@@ -62,6 +65,7 @@ def test_main_refuses_an_unknown_argument_with_its_usage(capsys, argv):
     assert "usage: python -m consul_rdzv.testing [path]" in err and argv[-1] in err
 
 
+@pytest.mark.consul
 def test_dev_agents_run_side_by_side_if_started_together(tmp_path):
     with DevAgent() as one, DevAgent() as two:
         assert one.port != two.port
@@ -90,6 +94,7 @@ def test_installed_dev_agent_has_no_test_variants_or_failure_injection():
     assert issubclass(ConsulAgent, DevAgent)
 
 
+@pytest.mark.consul
 def test_consul_agent_restart_comes_back_on_same_port_with_empty_kv_if_dev_agent():
     with ConsulAgent() as agent:
         client = agent.client()

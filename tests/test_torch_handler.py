@@ -12,66 +12,23 @@ import datetime
 import importlib.metadata
 import subprocess
 import sys
-import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from rdzv_nodes import wait_for
 from torch.distributed import TCPStore
-from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousInfo
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+from torch_handlers import FAST
 
 from consul_rdzv import torch as consul_torch
 from consul_rdzv.settings import VALID_KEYS
 from consul_rdzv.torch import ConsulRendezvousHandler
-
-#: Short timeouts for tests, as strings: that is what torchrun's --rdzv-conf parser produces.
-FAST = {"heartbeat_timeout": "2", "last_call_timeout": "1", "join_timeout": "30",
-        "close_timeout": "5", "consul_timeout": "5"}
-
-
-def make_params(endpoint: str, run_id: str, prefix: str, *, min_nodes: int = 1,
-                max_nodes: int = 1, fast: bool = True, **conf) -> RendezvousParameters:
-    values = {**(FAST if fast else {}), "key_prefix": prefix, **conf}
-    return RendezvousParameters(
-        backend="consul", endpoint=endpoint, run_id=run_id, min_nodes=min_nodes,
-        max_nodes=max_nodes, local_addr="127.0.0.1",
-        **{k: v for k, v in values.items() if v is not None},
-    )
-
-
-@pytest.fixture
-def run_id() -> str:
-    return f"run-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def make_handler():
-    """Build handlers through torch's registry; every one leaves (not closes) at teardown."""
-    made: list[ConsulRendezvousHandler] = []
-
-    def make(*args, **kwargs) -> ConsulRendezvousHandler:
-        handler = get_rendezvous_handler(make_params(*args, **kwargs))
-        assert type(handler) is ConsulRendezvousHandler, type(handler)
-        made.append(handler)
-        return handler
-
-    yield make
-    # Leave in parallel, with short retries: a test may have stopped Consul under its nodes.
-    threads = []
-    for handler in made:
-        rdzv = handler.rendezvous
-        rdzv.settings = rdzv.settings.with_(close_timeout=min(rdzv.settings.close_timeout, 3))
-        threads.append(threading.Thread(target=rdzv.leave, daemon=True))
-        threads[-1].start()
-    for thread in threads:
-        thread.join(10)
 
 
 @pytest.fixture
@@ -84,14 +41,6 @@ def rendezvous_all(pool: ThreadPoolExecutor, handlers, timeout: float = 30.0) ->
     """``next_rendezvous()`` on every handler at once, like nodes do; infos in handler order."""
     futures = [pool.submit(h.next_rendezvous) for h in handlers]
     return [f.result(timeout=timeout) for f in futures]
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def endpoint_of(info: RendezvousInfo) -> tuple[str, int]:
@@ -196,8 +145,8 @@ def test_new_rank0_gives_new_live_endpoint_and_nobody_gets_the_old_one(agent, pr
     survivors = [h for j, h in enumerate(handlers) if j != first]
 
     assert handlers[first].rendezvous.leave()  # the rank-0 node goes away
-    wait_until(lambda: all(h.num_nodes_waiting() >= 1 for h in survivors), 15,
-               "the survivors to see the departed rank 0")
+    wait_for(lambda: all(h.num_nodes_waiting() >= 1 for h in survivors), 15,
+             "the survivors to see the departed rank 0")
     infos2 = rendezvous_all(pool, survivors)
     assert sorted(i.rank for i in infos2) == [0, 1]
     assert [i.world_size for i in infos2] == [2, 2]
@@ -230,8 +179,8 @@ def test_late_node_is_seen_waiting_and_joins_the_next_round(agent, prefix, run_i
 
     late = make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=3, node_id="late")
     late_future = pool.submit(late.next_rendezvous)
-    wait_until(lambda: all(h.num_nodes_waiting() == 1 for h in handlers), 15,
-               "both nodes to report 1 node waiting")
+    wait_for(lambda: all(h.num_nodes_waiting() == 1 for h in handlers), 15,
+             "both nodes to report 1 node waiting")
     infos = [*rendezvous_all(pool, handlers), late_future.result(timeout=30)]
     assert sorted(i.rank for i in infos) == [0, 1, 2]
     assert {i.world_size for i in infos} == {3}
@@ -247,8 +196,8 @@ def test_set_closed_wakes_a_waiting_node_and_refuses_later_ones(agent, prefix, r
                           node_id="waiter")
     future = pool.submit(waiter.next_rendezvous)
     consul = agent.client()
-    wait_until(lambda: consul.kv_keys(f"{prefix}/{run_id}/members/"), 15,
-               "the waiter's member key")
+    wait_for(lambda: consul.kv_keys(f"{prefix}/{run_id}/members/"), 15,
+             "the waiter's member key")
     closer = make_handler(agent.address, run_id, prefix, node_id="closer")
     assert closer.is_closed() is False
     closer.set_closed()
@@ -323,8 +272,8 @@ def test_consul_stopping_under_waiting_nodes_fails_fast(fresh_agent, prefix, run
                 for i in range(2)]
     futures = [pool.submit(h.next_rendezvous) for h in handlers]
     consul = fresh_agent.client()
-    wait_until(lambda: len(consul.kv_keys(f"{prefix}/{run_id}/members/")) == 2, 15,
-               "both member keys")
+    wait_for(lambda: len(consul.kv_keys(f"{prefix}/{run_id}/members/")) == 2, 15,
+             "both member keys")
     fresh_agent.stop()
     started = time.monotonic()
     for future in futures:
@@ -382,16 +331,14 @@ def test_missing_acl_permission_is_a_connection_error_naming_it(acl_agent, prefi
 # ----------------------------------------------------------------------------- rdzv conf
 
 
-def _settings(agent, prefix, **conf):
-    params = make_params(agent.address, "conf-run", prefix, fast=False, **conf)
-    handler = get_rendezvous_handler(params)
-    assert type(handler) is ConsulRendezvousHandler
+def _settings(make_handler, agent, prefix, **conf):
+    handler = make_handler(agent.address, "conf-run", prefix, fast=False, **conf)
     handler.rendezvous.leave(timeout=3)  # it registered at creation
     return handler.rendezvous.settings
 
 
-def test_conf_strings_are_parsed(agent, prefix):
-    s = _settings(agent, prefix, heartbeat_timeout="2.5", last_call_timeout="1",
+def test_conf_strings_are_parsed(agent, prefix, make_handler):
+    s = _settings(make_handler, agent, prefix, heartbeat_timeout="2.5", last_call_timeout="1",
                   consul_timeout="3", close_timeout="4", rank_policy="stable")
     assert (s.heartbeat_timeout, s.last_call_timeout, s.consul_timeout, s.close_timeout) == \
         (2.5, 1.0, 3.0, 4.0)
@@ -399,17 +346,18 @@ def test_conf_strings_are_parsed(agent, prefix):
 
 
 @pytest.mark.parametrize("timeout", [900, "900"])
-def test_torchruns_timeout_alone_sets_join_timeout(agent, prefix, timeout):
-    assert _settings(agent, prefix, timeout=timeout).join_timeout == 900.0
+def test_torchruns_timeout_alone_sets_join_timeout(agent, prefix, make_handler, timeout):
+    assert _settings(make_handler, agent, prefix, timeout=timeout).join_timeout == 900.0
 
 
-def test_join_timeout_wins_over_timeout(agent, prefix):
-    assert _settings(agent, prefix, timeout=900, join_timeout="30").join_timeout == 30.0
+def test_join_timeout_wins_over_timeout(agent, prefix, make_handler):
+    s = _settings(make_handler, agent, prefix, timeout=900, join_timeout="30")
+    assert s.join_timeout == 30.0
 
 
-def test_unknown_conf_key_lists_the_valid_keys(agent, prefix):
+def test_unknown_conf_key_lists_the_valid_keys(agent, prefix, make_handler):
     with pytest.raises(ValueError, match="heartbeat_timout") as info:
-        _settings(agent, prefix, heartbeat_timout="2")
+        _settings(make_handler, agent, prefix, heartbeat_timout="2")
     for key in VALID_KEYS:
         assert key in str(info.value)
 
@@ -417,9 +365,9 @@ def test_unknown_conf_key_lists_the_valid_keys(agent, prefix):
 @pytest.mark.parametrize("key,value", [("heartbeat_timeout", "soon"), ("join_timeout", "-1"),
                                        ("timeout", "never"), ("last_call_timeout", "0"),
                                        ("consul_timeout", "nan")])
-def test_bad_number_names_the_key(agent, prefix, key, value):
+def test_bad_number_names_the_key(agent, prefix, make_handler, key, value):
     with pytest.raises(ValueError, match=key):
-        _settings(agent, prefix, **{key: value})
+        _settings(make_handler, agent, prefix, **{key: value})
 
 
 @pytest.mark.parametrize("form", ["host:port", "http://host:port", "empty"])
@@ -450,7 +398,7 @@ def test_node_joins_next_round_if_rank0_store_never_comes_up(agent, prefix, run_
         agent.client(), node_id="a-ghost",
         endpoint_provider=lambda: {"host": "127.0.0.1", "port": dead_port})
     first = pool.submit(ghost.next_round)
-    wait_until(lambda: ghost.session_id is not None, 10, "the ghost registered")
+    wait_for(lambda: ghost.session_id is not None, 10, "the ghost registered")
     handler = make_handler(agent.address, run_id, prefix, min_nodes=1, max_nodes=2,
                            last_call_timeout="0.5", node_id="b-survivor")
     future = pool.submit(handler.next_rendezvous)
@@ -487,8 +435,8 @@ def test_rank0_dead_right_after_the_seal_sends_everyone_to_the_next_round(
                    store_port=free_port())
     try:
         consul = agent.client()
-        wait_until(lambda: consul.kv_keys(f"{prefix}/{run_id}/members/"), 15,
-                   "the ghost announced itself first (rank 0 by join order)")
+        wait_for(lambda: consul.kv_keys(f"{prefix}/{run_id}/members/"), 15,
+                 "the ghost announced itself first (rank 0 by join order)")
         handlers = [make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=3,
                                  node_id=f"node-{i}") for i in range(2)]
         futures = [pool.submit(h.next_rendezvous) for h in handlers]
@@ -514,20 +462,23 @@ def test_member_that_never_checks_in_is_bounded_by_read_timeout_or_its_death(
     the others give up after read_timeout with an error naming it; if it dies, they meet in
     the next round as soon as Consul drops it."""
     read_timeout = "3" if fate == "hangs" else "60"
-    # A long last call: the round must wait for the ghost (a process: slow to start on a
-    # loaded machine), which makes it full (max_nodes) and seals it at once.
+    # The first round waits for the ghost (a full round seals at once), not for a last call
+    # that a process starting on a loaded machine may miss; the next one has FAST's last call.
     handlers = [make_handler(agent.address, run_id, prefix, min_nodes=2, max_nodes=3,
                              node_id=f"node-{i}", read_timeout=read_timeout,
                              last_call_timeout="60")
                 for i in range(2)]
     futures = [pool.submit(h.next_rendezvous) for h in handlers]
     consul = agent.client()
-    wait_until(lambda: len(consul.kv_keys(f"{prefix}/{run_id}/members/")) == 2, 15,
-               "both handlers announced (rank 0 is one of them)")
+    wait_for(lambda: len(consul.kv_keys(f"{prefix}/{run_id}/members/")) == 2, 15,
+             "both handlers announced (rank 0 is one of them)")
     ghost = _ghost(agent, tmp_path, prefix, run_id, "z-ghost", min_nodes=3, max_nodes=3,
                    store_port=1)
     try:
         assert ghost.result(timeout=30).world_size == 3
+        for h in handlers:
+            h.rendezvous.settings = h.rendezvous.settings.with_(
+                last_call_timeout=float(FAST["last_call_timeout"]))
         started = time.monotonic()
         if fate == "hangs":
             for future in futures:
@@ -699,9 +650,10 @@ def test_store_port_exhausted_is_a_clear_error(agent, prefix, run_id, make_handl
 
 
 @pytest.mark.parametrize("value", ["0", "70000", "29500-29400", "many"])
-def test_bad_store_port_is_refused_when_the_handler_is_built(agent, prefix, run_id, value):
+def test_bad_store_port_is_refused_when_the_handler_is_built(agent, prefix, make_handler, run_id,
+                                                             value):
     with pytest.raises(ValueError, match="store_port"):
-        get_rendezvous_handler(make_params(agent.address, run_id, prefix, store_port=value))
+        make_handler(agent.address, run_id, prefix, store_port=value)
 
 
 def test_use_libuv_sets_the_trainer_store_backend(agent, prefix, run_id, make_handler, pool):
@@ -718,13 +670,13 @@ def test_use_libuv_sets_the_trainer_store_backend(agent, prefix, run_id, make_ha
 # ----------------------------------------------------------------------------- c10d conf
 
 
-def test_c10d_conf_carries_over_through_torchs_registry(agent, prefix, caplog):
+def test_c10d_conf_carries_over_through_torchs_registry(agent, prefix, make_handler, caplog):
     """c10d's keys as a c10d user passes them: the keep-alive pair becomes the check TTL with
     one INFO line, the keys without equivalent are accepted and said to be ignored."""
     import logging
 
     caplog.set_level(logging.INFO, logger="consul_rdzv")
-    s = _settings(agent, prefix, keep_alive_interval="5", keep_alive_max_attempt="3",
+    s = _settings(make_handler, agent, prefix, keep_alive_interval="5", keep_alive_max_attempt="3",
                   is_host="true", store_type="tcp", read_timeout="30")
     assert (s.heartbeat_timeout, s.keep_alive_interval, s.read_timeout) == (15.0, 5.0, 30.0)
     lines = [r.getMessage() for r in caplog.records if r.name == "consul_rdzv.settings"]
@@ -734,11 +686,11 @@ def test_c10d_conf_carries_over_through_torchs_registry(agent, prefix, caplog):
 
 
 @pytest.mark.parametrize("key", ["ssl", "verify", "use_libuv", "is_host"])
-def test_conf_booleans_are_strict_in_the_handler(agent, prefix, run_id, key):
+def test_conf_booleans_are_strict_in_the_handler(agent, prefix, make_handler, run_id, key):
     """ssl=treu used to mean false (and plain http): now every boolean goes through the one
     parser of consul_rdzv/config.py."""
     with pytest.raises(ValueError, match=f"rdzv conf {key}='treu' is not a boolean"):
-        get_rendezvous_handler(make_params(agent.address, run_id, prefix, **{key: "treu"}))
+        make_handler(agent.address, run_id, prefix, **{key: "treu"})
 
 
 def test_conf_ssl_and_verify_reach_the_consul_config(agent, prefix, run_id):

@@ -14,7 +14,6 @@ import re
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 from torchrun_jobs import TorchrunJob, torch_log_times
@@ -32,11 +31,6 @@ FAIL_FAST = 20.0
 def fast_conf(prefix: str) -> dict:
     return {"key_prefix": prefix, "heartbeat_timeout": 2, "last_call_timeout": 1,
             "join_timeout": 60}
-
-
-@pytest.fixture
-def run_id() -> str:
-    return f"e2e-{uuid.uuid4().hex[:8]}"
 
 
 def assert_trained_together(job: TorchrunJob, world_size: int) -> list[dict]:
@@ -165,11 +159,14 @@ def test_late_node_joins_mid_training(agent, prefix, run_id, tmp_path):
     with TorchrunJob(tmp_path, agent.address, run_id, nnodes="2:3",
                      rdzv_conf=fast_conf(prefix),
                      train_args=["--steps", "100", "--step-time", "0.06"]) as job:
+        # The late agent is started now but joins when the gate opens: mid-training, however
+        # long its interpreter takes to import torch on a loaded machine.
+        late = job.start("late", gated=True)
         for i in range(2):
             job.start(f"node-{i}")
         job.wait_for(lambda: len(job.starts(world_size=2)) == 2, JOB_TIMEOUT,
                      "two ranks training in world 2")
-        job.start("late")
+        job.open_gate(late)
         codes = job.wait(JOB_TIMEOUT)
         assert codes == {"node-0": 0, "node-1": 0, "late": 0}, job.report()
         results = assert_trained_together(job, 3)

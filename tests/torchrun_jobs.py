@@ -24,9 +24,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rdzv_nodes import wait_for
+
 #: The training script, found as ``consul-rdzv demo`` finds it: in the installed package.
 TRAIN = Path(str(importlib.resources.files("consul_rdzv") / "examples" / "train.py"))
-#: torchrun with a lowered exit-barrier timeout (``exit_barrier=`` below)
+#: torchrun with a lowered exit-barrier timeout (``exit_barrier=`` below) or a start gate
 LAUNCHER = Path(__file__).resolve().parent / "torchrun_launcher.py"
 
 #: torch's log line prefix: ``I1203 04:51:24.873000 13557 torch/...py:553] ...``
@@ -95,11 +97,11 @@ class TorchrunJob:
 
     # ------------------------------------------------------------------ processes
 
-    def command(self, node_id: str, **conf) -> list[str]:
+    def command(self, node_id: str, *, launcher: list[str] | None = None, **conf) -> list[str]:
         values = {**self.rdzv_conf, "node_id": node_id, **conf}
         rdzv_conf = ",".join(f"{k}={v}" for k, v in values.items())
         return [
-            sys.executable, *self.launcher,
+            sys.executable, *(launcher or self.launcher),
             f"--nnodes={self.nnodes}", "--nproc-per-node=1",
             "--rdzv-backend=consul", f"--rdzv-id={self.run_id}",
             f"--rdzv-endpoint={self.endpoint}", "--local-addr=127.0.0.1",
@@ -109,15 +111,29 @@ class TorchrunJob:
             *self.train_args,
         ]
 
-    def start(self, node_id: str, **conf) -> Agent:
+    def start(self, node_id: str, *, gated: bool = False, **conf) -> Agent:
+        """Start the agent of ``node_id``; ``gated``: it imports torch, then waits for
+        :meth:`open_gate` before it runs (tests/torchrun_launcher.py)."""
         log_path = self.workdir / f"agent-{node_id}.log"
+        env, launcher = self.env, None
+        if gated:
+            env = {**self.env, "CONSUL_RDZV_TEST_START_GATE": str(self._gate(node_id))}
+            launcher = [str(LAUNCHER)]
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(self.command(node_id, **conf), env=self.env, stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    cwd=self.workdir, start_new_session=True)
+            proc = subprocess.Popen(self.command(node_id, launcher=launcher, **conf), env=env,
+                                    stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, cwd=self.workdir,
+                                    start_new_session=True)
         agent = Agent(node_id, proc, log_path)
         self.agents.append(agent)
         return agent
+
+    def _gate(self, node_id: str) -> Path:
+        return self.workdir / f"gate-{node_id}"
+
+    def open_gate(self, agent: Agent) -> None:
+        """Let a gated agent run."""
+        self._gate(agent.name).touch()
 
     def wait(self, timeout: float, agents: list[Agent] | None = None) -> dict[str, int | None]:
         """Wait until the agents exit or ``timeout`` passes; exit codes (None: still running)."""
@@ -163,14 +179,10 @@ class TorchrunJob:
         return [e for e in self.progress() if e["event"] == "start"
                 and (world_size is None or e["world_size"] == world_size)]
 
-    def wait_for(self, predicate, timeout: float, what: str) -> None:
-        """Poll ``predicate()`` until true; on timeout fail with every agent's log."""
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}\n"
-                                     + self.report())
-            time.sleep(0.1)
+    def wait_for(self, predicate, timeout: float, what: str) -> object:
+        """:func:`rdzv_nodes.wait_for` every 0.1 s; on timeout it fails with every agent's
+        log."""
+        return wait_for(predicate, timeout, what, 0.1, detail=self.report)
 
     def report(self, tail: int = 6000) -> str:
         parts = []
