@@ -536,7 +536,9 @@ def round_sections(sets: list[tuple[str, RunSet]]) -> list[str]:
     agent = agent_table(sets)
     if agent:
         out += ["### What the round cost the agent, per node (the agent's own metrics, from "
-                "the release until every node returned; fixed)", "", *agent]
+                "the release until every node returned; fixed; on a cluster the servers' "
+                "series summed: every server applies every entry, the leader alone counts "
+                "`raft applies`)", "", *agent]
     return out
 
 
