@@ -96,6 +96,7 @@ def test_every_settings_field_is_in_the_table_with_the_codes_default():
         # derived defaults, stated as what they derive from
         "keep_alive_interval": ("`heartbeat_timeout` / 3", None),
         "service_name": ("`torchelastic-<run_id>`", None),
+        "health_evict": ("`true`", True),
     }
     for name, default in DEFAULTS.items():
         if name in ("min_nodes", "max_nodes"):
@@ -156,6 +157,7 @@ def test_each_documented_key_is_accepted_with_a_plausible_value(key):
              "topology_keys": "zone", "node_meta": "zone=a", "node_rank": "0",
              "keep_alive_max_attempt": "3", "keep_alive_interval": "5",
              "closed_retention": "600", "watch_wait": "30",
-             "key_prefix": "p", "service_name": "s"}.get(key, "7" if key.endswith("timeout")
+             "key_prefix": "p", "service_name": "s", "health_evict": "false",
+             "health_checks": "gpu-*"}.get(key, "7" if key.endswith("timeout")
                                                           else "x")
     settings_from_conf("j", 1, 1, {key: value})
