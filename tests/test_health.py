@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from rdzv_nodes import Cluster, figure, stays, wait_for
@@ -322,3 +324,47 @@ def test_torchrun_node_in_maintenance_is_held_out_then_joins_the_running_job(
         assert {r["world_size"] for r in results} == {2}, report
         assert len({r["checksum"] for r in results}) == 1, report
 
+
+# ---------------------------------------------------------------------------- docs/health.md
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "health.md"
+
+
+def doc_block(lang: str) -> str:
+    (block,) = re.findall(rf"```{lang}\n(.*?)```", DOC.read_text(), re.DOTALL)
+    return block
+
+
+@pytest.mark.parametrize(("gpus", "rc", "code", "says"), [
+    ("0, 0\n1, 0\n", 0, 0, "2 GPUs healthy"),
+    ("0, 0\n1, [N/A]\n", 0, 0, "2 GPUs healthy"),
+    ("0, 0\n1, 3\n", 0, 2, "GPU 1: 3 uncorrected ECC errors"),
+    ("0, 0\n", 0, 2, "1 of 2 GPUs visible"),
+    ("NVIDIA-SMI has failed\n", 9, 2, "nvidia-smi failed: NVIDIA-SMI has failed"),
+])
+def test_the_docs_gpu_check_script_judges_gpus_as_consul_reads_exit_codes(tmp_path, gpus, rc,
+                                                                         code, says):
+    script = tmp_path / "check-gpus"
+    script.write_text(doc_block("sh"))
+    script.chmod(0o755)
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\nprintf '%s' '{gpus}'\nexit {rc}\n")
+    fake.chmod(0o755)
+    proc = subprocess.run([str(script)], capture_output=True, text=True, timeout=30,
+                          env={"PATH": f"{fake.parent}:/usr/bin:/bin", "EXPECTED_GPUS": "2"})
+    assert proc.returncode == code, (proc.stdout, proc.stderr)
+    assert says in proc.stdout.splitlines()[0], proc.stdout
+
+
+@pytest.mark.consul  # runs the Consul binary (consul validate)
+@pytest.mark.parametrize("lang", ["hcl", "json"])
+def test_the_docs_check_registration_is_valid_agent_configuration(tmp_path, lang):
+    from consul_rdzv.testing import consul_binary
+
+    (tmp_path / f"gpu-check.{lang}").write_text(doc_block(lang))
+    (tmp_path / "base.hcl").write_text(f'data_dir = "{tmp_path / "data"}"\n')
+    proc = subprocess.run([str(consul_binary()), "validate", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Configuration is valid" in proc.stdout
