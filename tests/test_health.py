@@ -293,6 +293,60 @@ def test_with_eviction_off_a_node_whose_check_turns_critical_trains_on(
 
 
 
+
+def test_a_node_in_maintenance_is_admitted_to_none_of_100_rounds(cluster, cluster_nodes,
+                                                                  node_checks):
+    node_checks.maintenance(True, "swap PSU")
+    a, b = pair(cluster_nodes, cluster)
+    wait_for(lambda: b.health_reason() != "", 15, "b sees its node in maintenance")
+    waiting = cluster_nodes.start([b])
+    worlds = []
+    started = time.monotonic()
+    for _ in range(100):
+        worlds.append(cluster_nodes.rounds([a], 30)["a"].participants)
+    took = time.monotonic() - started
+    assert worlds == [["a"]] * 100
+    assert not waiting["b"].done()
+    figure(f"node in maintenance admitted to 0 of 100 rounds ({took / 100 * 1000:.0f} ms per "
+           "round of the other node)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_torchrun_node_whose_check_turns_critical_leaves_and_the_other_trains_on(
+        cluster, node_checks, prefix, run_id, tmp_path):
+    """Through real torchrun: two agents train in a world of 2; the GPU check of node-b's host
+    turns critical: node-a's workers restart in a world of 1 at once while node-b waits held
+    out; the check passes again and both finish together in a world of 2."""
+    from torchrun_jobs import TorchrunJob
+
+    node_checks.register("passing")
+    conf = {"key_prefix": prefix, "heartbeat_timeout": 5, "last_call_timeout": 1,
+            "join_timeout": 200}
+    with TorchrunJob(tmp_path, cluster.clients[0].address, run_id, nnodes="1:2",
+                     rdzv_conf=conf, train_args=["--steps", "400", "--step-time", "0.05"]) as job:
+        job.start("node-a")
+        job.endpoint = cluster.clients[1].address
+        evicted = job.start("node-b")
+        job.wait_for(lambda: len(job.starts(world_size=2)) == 2, 150, "both training")
+        failed = time.monotonic()
+        node_checks.fail("ECC errors on GPU 3")
+        job.wait_for(lambda: len(job.starts(world_size=1)) == 1, 60, "node-a training alone")
+        alone = time.monotonic() - failed
+        job.wait_for(lambda: "ECC errors on GPU 3" in evicted.log(), 30,
+                     "node-b saying why it left")
+        node_checks.pass_()
+        job.wait_for(lambda: len(job.starts(world_size=2)) == 4, 150, "both again in world 2")
+        codes = job.wait(200)
+        report = job.report()
+        assert codes == {"node-a": 0, "node-b": 0}, report
+        results = job.results()
+        assert {r["world_size"] for r in results} == {2}, report
+        assert len({r["checksum"] for r in results}) == 1, report
+    figure(f"torchrun: check failed on node-b's agent -> node-a's worker training again in a "
+           f"world of 1 after {alone:.2f}s (worker restart included)")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_torchrun_node_in_maintenance_is_held_out_then_joins_the_running_job(
