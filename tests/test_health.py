@@ -141,6 +141,26 @@ def test_member_health_round_trips_and_an_older_value_without_it_is_healthy():
                                  lock_index=0, flags=0, session=None)).health == ""
 
 
+
+def test_nodes_of_a_process_on_one_agent_share_one_health_query(nodes):
+    """One Consul node, one query: the nodes of a process that talk to the same agent share the
+    blocking query on their node's health (each judges it with its own settings); it ends with
+    the last of them."""
+    settings = nodes.settings(min_nodes=2, max_nodes=2)
+    first = nodes.node("n0", settings)
+    second = nodes.node("n1", settings.with_(health_checks=("gpu-*",)))
+    nodes.rounds([first, second], 30)
+    assert first.health is not None and second.health is not None
+    shared = first.health._watch
+    assert shared is not None and shared is second.health._watch
+    assert first.health.node == second.health.node != ""
+    assert first.health_reason() == second.health_reason() == ""
+    first.leave()
+    assert not shared._stopped.is_set()
+    second.leave()
+    assert shared._stopped.is_set()
+
+
 # ---------------------------------------------------------------------------- on real agents
 #
 # Two nodes, each on its own client agent (its own Consul node): ``a`` on client 0, ``b`` on
@@ -256,6 +276,8 @@ def test_a_check_turning_critical_while_training_evicts_the_node_and_the_others_
     node_checks.fail("ECC errors on GPU 3")
     wait_for(lambda: a.num_nodes_waiting() >= 1, 15, "a sees b leave its round")
     seen = time.monotonic() - started
+    assert b.health is not None
+    judged = b.health.changed_at - started
     futures = cluster_nodes.start([a, b])
     alone = futures["a"].result(30)
     reformed = time.monotonic() - started
@@ -263,8 +285,9 @@ def test_a_check_turning_critical_while_training_evicts_the_node_and_the_others_
     assert b.health_reason() == (f'check {node_checks.check_id} critical: '
                                  '"ECC errors on GPU 3"')
     assert not futures["b"].done()
-    figure(f"health eviction: the survivor saw the round over {seen * 1000:.0f} ms and trained "
-           f"again {reformed * 1000:.0f} ms after the check was failed on the agent")
+    figure(f"health eviction: the evicted node judged its check critical {judged * 1000:.0f} ms, "
+           f"the survivor saw the round over {seen * 1000:.0f} ms and trained again "
+           f"{reformed * 1000:.0f} ms after the check was failed on the agent")
     node_checks.pass_()
     wait_for(lambda: a.num_nodes_waiting() == 1, 15, "a sees b waiting once healthy")
     again = cluster_nodes.rounds([a], 30)["a"]
