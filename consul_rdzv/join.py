@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -79,6 +80,21 @@ class RoundResult:
     requests: int = 0
 
 
+@dataclass
+class Announced:
+    """This node's member key as it last wrote it, shared by the caller's thread (each
+    announcement) and the health thread (a rewrite when the node's health changes): every write
+    of the key happens under ``lock``, so a rewrite never lands before, or instead of, the
+    announcement it follows. ``joining``: inside ``next_round()`` (any health change is written);
+    otherwise the node trains (only a turn to unhealthy is written, with ``health_evict``)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    member: Member | None = None
+    index: int = 0
+    session: str | None = None
+    joining: bool = False
+
+
 class _Rejoin(Exception):
     """Our session is gone: register again and restart the join (same deadline).
 
@@ -102,8 +118,13 @@ class Join:
                  registration: Registration, node_id: str, host: str,
                  incarnation: Incarnation, last: RoundResult | None,
                  endpoint_provider: Callable[[], dict | None] | None,
-                 deadline: float) -> None:
+                 deadline: float, announced: Announced | None = None,
+                 health: Callable[[], str] | None = None) -> None:
         self.client = client
+        #: Our member key as last written (shared with the health thread, see Announced).
+        self.announced = announced or Announced()
+        #: Why this node's Consul node holds it out of rounds ("" when it may train).
+        self.health = health or (lambda: "")
         self.keys = keys
         self.settings = settings
         self.registration = registration
@@ -135,7 +156,8 @@ class Join:
                       rank=self.settings.node_rank, endpoint=endpoint,
                       meta=dict(self.settings.node_meta),
                       incarnation=self.incarnation.id, started=self.incarnation.started,
-                      min_nodes=self.settings.min_nodes, max_nodes=self.settings.max_nodes)
+                      min_nodes=self.settings.min_nodes, max_nodes=self.settings.max_nodes,
+                      health=self.health())
 
     def _write_member(self, deadline: float) -> tuple[int, RunState]:
         """Write our member key (locked by our session) and read the round state, in one txn.
@@ -153,14 +175,19 @@ class Join:
         session = self.registration.session
         key = self.keys.member(self.node_id)
         guard = self.last.round_index if self.last is not None else 0
+        announced = self.announced
         for _ in range(4):
-            ops = [txn_kv("lock", key, value=self._member().encode(), session=session),
-                   txn_kv("get-tree", self.keys.round_dir),
-                   txn_kv("get-tree", self.keys.drain(self.node_id))]
-            if guard:
-                ops.append(txn_kv("check-index", self.keys.round, index=guard))
             try:
-                res = self.client.txn(ops, deadline=self.op_deadline(deadline))
+                with announced.lock:  # the health thread rewrites the key only after this
+                    member = self._member()
+                    ops = [txn_kv("lock", key, value=member.encode(), session=session),
+                           txn_kv("get-tree", self.keys.round_dir),
+                           txn_kv("get-tree", self.keys.drain(self.node_id))]
+                    if guard:
+                        ops.append(txn_kv("check-index", self.keys.round, index=guard))
+                    res = self.client.txn(ops, deadline=self.op_deadline(deadline))
+                    announced.member, announced.session = member, session
+                    announced.index = res.data[0].modify_index
             except ConsulTxnConflict as exc:
                 if guard and any(e.op_index == 3 for e in exc.errors):
                     guard = 0
@@ -408,6 +435,9 @@ class Join:
                 detail += f" Explicit ranks: {explicit_gap(candidates)}."
             if state.leader is None:
                 detail += " No coordinator held the leader key."
+            held = [f"{m.node} ({m.health})" for m in state.members.values() if m.health]
+            if held:
+                detail += f" Held out by their Consul node's health: {'; '.join(held[:16])}."
         return RendezvousTimeoutError(
             f"Node {self.node_id} timed out after join_timeout "
             f"({self.settings.join_timeout:g}s) waiting for a round of run {self.run_id}.{detail}"
@@ -560,6 +590,10 @@ class Progress:
             if gone:
                 missing = f"; gone from round {current.round}: {', '.join(gone[:8])}"
         leader = state.leader.node if state.leader else "none"
+        health = node.health()
+        if health:
+            reason = "; ".join(p for p in (reason, f"this node is held out by its Consul "
+                                                   f"node's health: {health}") if p)
         logger.info(
             "Run %s: node %s waits for round %d: %d of min %d nodes present (%s), max %d, "
             "coordinator %s%s%s; join timeout in %.0fs.", node.run_id, node.node_id, number,

@@ -91,6 +91,9 @@ class Member:
     started: float = 0.0  # wall-clock start of that incarnation: the newest one wins a node id
     min_nodes: int = 0  # this node's settings, for operators (consul-rdzv status)
     max_nodes: int = 0
+    #: why this node's Consul node holds it out of rounds (a critical node check, maintenance:
+    #: consul_rdzv.health); "" while it may train
+    health: str = ""
     # filled from the KV entry, not stored
     create_index: int = field(default=0, compare=False)
     modify_index: int = field(default=0, compare=False)
@@ -111,6 +114,7 @@ class Member:
                 incarnation=str(data.get("incarnation", "")),
                 started=float(data.get("started", 0.0)),
                 min_nodes=int(data.get("min_nodes", 0)), max_nodes=int(data.get("max_nodes", 0)),
+                health=str(data.get("health") or ""),
                 create_index=entry.create_index,
                 modify_index=entry.modify_index, session=entry.session,
             )

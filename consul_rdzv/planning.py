@@ -47,6 +47,7 @@ class MemberView:
 
     modify_index: int
     rank: int | None = None  # explicit rank request
+    healthy: bool = True  # False: its Consul node holds it out (Member.health)
 
 
 def active_participants(state: RunState) -> list[str]:
@@ -72,12 +73,17 @@ def plan_round(state: RunState, settings: RendezvousSettings, now: float,
                   f"({', '.join(sorted(active)[:8])})")
         return Plan(reason=reason, detail=reason)
     previous = {n: r for r, n in enumerate(current.ranks)} if current else {}
+    # A member whose Consul node is unhealthy (a critical node check, maintenance) is never
+    # admitted, nor counted toward min_nodes (docs/health.md).
     candidates = [Candidate(m.node, m.host, m.create_index, m.meta, m.rank)
-                  for m in state.members.values()]
+                  for m in state.members.values() if not m.health]
+    held = held_out(state)
     selected = select(candidates, previous, settings.max_nodes, settings.rank_policy)
     if len(selected) < settings.min_nodes:
         reason = f"{len(selected)} of min_nodes {settings.min_nodes} nodes present"
         detail = explicit_gap(candidates) if settings.rank_policy == "explicit" else ""
+        if held:
+            detail = "; ".join(p for p in (detail, held) if p)
         return Plan(reason=f"{reason} ({detail})" if detail else reason, detail=detail)
     try:
         order = assign(selected, previous, settings.rank_policy, settings.topology_keys)
@@ -92,6 +98,15 @@ def plan_round(state: RunState, settings: RendezvousSettings, now: float,
         return Plan(seal=order, quorum_since=since)
     reason = f"last call: {len(selected)} nodes present, up to {settings.max_nodes}"
     return Plan(quorum_since=since, reason=reason, detail=reason)
+
+
+def held_out(state: RunState) -> str:
+    """The members held out by their Consul node's health, with why (for progress lines)."""
+    held = sorted((m.node, m.health) for m in state.members.values() if m.health)
+    if not held:
+        return ""
+    return "held out: " + "; ".join(f"{node}: {why}" for node, why in held[:8]) + (
+        "; ..." if len(held) > 8 else "")
 
 
 def explicit_gap(candidates: list[Candidate]) -> str:
@@ -126,7 +141,8 @@ def count_waiting(members: Mapping[str, MemberView], participants: list[str],
     """
     broken = round_broken(members, participants, members_index)
     active = [n for n in participants if n not in broken]
-    newcomers = [n for n in members if n not in participants]
+    # A newcomer held out by its node's health cannot join: it restarts nobody.
+    newcomers = [n for n in members if n not in participants and members[n].healthy]
     if settings.rank_policy == "explicit":
         taken = {participants.index(n) for n in active}  # explicit: rank == asked rank
         asked = taken | {members[n].rank for n in newcomers if members[n].rank is not None}

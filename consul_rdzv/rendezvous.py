@@ -36,6 +36,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from . import runs
 from .client import ConsulClient, txn_kv
@@ -43,6 +44,7 @@ from .errors import (
     ConsulBadRequest,
     ConsulError,
     ConsulPermissionDenied,
+    ConsulSessionInvalid,
     ConsulTxnConflict,
     ConsulUnavailableError,
     RendezvousClosedError,
@@ -50,7 +52,8 @@ from .errors import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from .join import Join, RoundResult, _Rejoin
+from .health import NodeHealth
+from .join import Announced, Join, RoundResult, _Rejoin
 from .layout import Keys, Round
 from .metrics import DEFAULT_HOST, NodeMetrics
 from .planning import (
@@ -128,6 +131,16 @@ class ConsulRendezvous:
                                        host=settings.metrics_host or DEFAULT_HOST)
             self.client.observer = self.metrics.request
             self.registration.heartbeat.observer = self.metrics.heartbeat
+        #: Our member key as last written; the health thread rewrites it (see Announced).
+        self._announced = Announced()
+        #: The health of this node's Consul node (None: health_checks=off), from the first
+        #: registration on (docs/health.md).
+        self.health: NodeHealth | None = None
+        if settings.health_checks is not None:
+            self.health = NodeHealth(self.client, patterns=settings.health_checks,
+                                     node_id=self.node_id, run_id=settings.run_id,
+                                     node_name=self._consul_node, on_change=self._health_changed,
+                                     wait=settings.watch_wait)
 
     def __repr__(self) -> str:
         return f"ConsulRendezvous(run={self.settings.run_id!r}, node={self.node_id!r})"
@@ -194,15 +207,21 @@ class ConsulRendezvous:
         started = time.time()
         requests_before = self.client.requests_sent_by_this_thread
         deadline = time.monotonic() + self.settings.join_timeout
+        with self._announced.lock:
+            self._announced.joining = True
         try:
             while True:
                 try:
                     self.registration.ensure(self._op_deadline(deadline))
+                    self._know_health(deadline)
                     result = Join(client=self.client, keys=self.keys, settings=self.settings,
                                   registration=self.registration, node_id=self.node_id,
                                   host=self.host, incarnation=self.incarnation, last=self._round,
                                   endpoint_provider=self._endpoint_provider,
-                                  deadline=deadline).run()
+                                  deadline=deadline, announced=self._announced,
+                                  health=self.health_reason).run()
+                    with self._announced.lock:
+                        self._announced.joining = False
                     break
                 except _Rejoin as exc:
                     self.registration.mark_lost(f"lost its Consul session ({exc})",
@@ -285,6 +304,13 @@ class ConsulRendezvous:
             self.registration.ensure(deadline)
         except ConsulError as exc:
             raise self._connection_error("register its service and session", exc) from exc
+        if self.health is not None:
+            self.health.start()  # its first answer is in before the first announcement
+
+    def health_reason(self) -> str:
+        """Why this node's Consul node holds it out of rounds (a critical node-level check,
+        maintenance mode), or "" while it may train (docs/health.md). No Consul request."""
+        return self.health.reason if self.health is not None else ""
 
     def num_nodes_waiting(self) -> int:
         """See module docstring: a local read, no Consul request.
@@ -364,6 +390,10 @@ class ConsulRendezvous:
         with self._lock:
             already, self._left = self._left, True
         self.standing.end()
+        if self.health is not None:
+            self.health.stop()
+        with self._announced.lock:
+            self._announced.member = None
         if already:
             return True
         deadline = time.monotonic() + (timeout or self.settings.close_timeout)
@@ -396,6 +426,8 @@ class ConsulRendezvous:
         with self._lock:
             self._left = True
         self.standing.end()  # it ends after its current query
+        if self.health is not None:
+            self.health.stop()
         self.registration.halt()
         if self.metrics is not None:
             self.metrics.close()
@@ -434,11 +466,87 @@ class ConsulRendezvous:
                          if done.kept_marker else "")
 
     def _drop_member(self, *, leader: bool = False) -> None:
+        with self._announced.lock:
+            self._announced.member = None
+            self._announced.joining = False
         session = self.registration.session
         for key in (self.keys.member(self.node_id), *([self.keys.leader] if leader else [])):
             with contextlib.suppress(ConsulError):
                 self.client.txn([txn_kv("check-session", key, session=session),
                                  txn_kv("delete", key)], deadline=self._op_deadline())
+
+    # ------------------------------------------------------------------ node health
+
+    def _consul_node(self) -> str:
+        """The Consul node this node's agent is: where its session lives."""
+        session = self.registration.session
+        info = self.client.session_info(session, deadline=self._op_deadline()) if session \
+            else None
+        if not info or not info.get("Node"):
+            raise ConsulUnavailableError(f"node {self.node_id} has no session to find its "
+                                         "Consul node by yet")
+        return str(info["Node"])
+
+    def _know_health(self, deadline: float) -> None:
+        """Before announcing: the first answer of the health watch (started here at the
+        latest; read while the node registered, so usually in already)."""
+        health = self.health
+        if health is None:
+            return
+        health.start()
+        if not health.wait_known(min(deadline, self._op_deadline())):
+            logger.warning("Node %s of run %s could not read the health of its Consul node "
+                           "within consul_timeout; it announces itself as healthy.",
+                           self.node_id, self.run_id)
+        if health.error:
+            raise RendezvousConnectionError(health.error[0].upper() + health.error[1:] + ".")
+
+    def _health_changed(self, reason: str) -> None:
+        """The health thread saw this node's Consul node change: rewrite our member key while
+        we join (a coordinator admits or holds out on it), or, while we train, take this node
+        out of its round at once (``health_evict``): the others see our key rewritten and
+        re-form without us; we wait, held out, until the node is healthy again."""
+        node = self.health.node if self.health is not None else "?"
+        if reason:
+            logger.warning("Node %s of run %s is held out of rounds: its Consul node %s is "
+                           "unhealthy (%s).", self.node_id, self.run_id, node, reason)
+        else:
+            logger.info("Node %s of run %s: its Consul node %s is healthy again; it may join "
+                        "the next round.", self.node_id, self.run_id, node)
+        with self._announced.lock:
+            written = self._announced
+            if written.member is None or written.session is None \
+                    or written.member.health == reason:
+                return
+            evict = not written.joining
+            if evict and (not reason or not self.settings.health_evict):
+                if reason:
+                    logger.warning("Node %s of run %s keeps training (health_evict is off); "
+                                   "its next round holds it out while the node is unhealthy.",
+                                   self.node_id, self.run_id)
+                return
+            key = self.keys.member(self.node_id)
+            member = replace(written.member, health=reason)
+            try:
+                res = self.client.txn(
+                    [txn_kv("check-index", key, index=written.index),
+                     txn_kv("lock", key, value=member.encode(), session=written.session)],
+                    deadline=self._op_deadline())
+            except (ConsulTxnConflict, ConsulSessionInvalid):
+                written.member = None  # rewritten or gone since: the next announcement tells
+                return
+            except ConsulError as exc:
+                logger.warning("Node %s of run %s could not write its health to its member "
+                               "key: %s", self.node_id, self.run_id, exc)
+                return
+            written.member = member
+            entry = res.data[-1] if res.data else None
+            written.index = entry.modify_index if entry is not None else written.index
+        if evict:
+            current = self._round
+            logger.warning("Node %s leaves round %s of run %s: its Consul node %s is unhealthy "
+                           "(%s); the others re-form without it (health_evict).", self.node_id,
+                           current.round if current else "?", self.run_id, node, reason)
 
     # ------------------------------------------------------------------ training-time watch
 

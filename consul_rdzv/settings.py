@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
 from .config import parse_bool
+from .health import parse_health_checks
 from .ranks import POLICIES
 from .service import DEFAULT_KEY_PREFIX, MAX_META, MAX_META_VALUE, RESERVED_META
 from .service import service_name as default_service_name
@@ -87,6 +88,11 @@ class RendezvousSettings:
     store_port: tuple[int, int] | None = None
     metrics_port: int | None = None
     metrics_host: str | None = None
+    #: Node-level Consul checks whose critical state holds this node out of rounds (names or
+    #: fnmatch patterns; ``()``: every one but serfHealth; None: gating off). docs/health.md.
+    health_checks: tuple[str, ...] | None = ()
+    #: A check turning critical (or maintenance) while the node trains takes it out at once.
+    health_evict: bool = True
 
     def __post_init__(self) -> None:
         # "." and ".." path segments are removed from Consul KV URLs (GET /v1/kv/a/../b reads
@@ -197,6 +203,16 @@ class RendezvousSettings:
                 raise ValueError(
                     f"node_rank {self.node_rank} is outside 0..{self.max_nodes - 1} (max_nodes)."
                 )
+        if self.health_checks is not None and (
+                not isinstance(self.health_checks, tuple)
+                or not all(isinstance(p, str) and p.strip() for p in self.health_checks)):
+            raise ValueError(
+                f"health_checks {self.health_checks!r} is invalid: give a tuple of check names "
+                "or fnmatch patterns (--rdzv-conf health_checks=gpu-*:nic), () for every "
+                "node-level check but serfHealth, or None (health_checks=off) for no gating."
+            )
+        if not isinstance(self.health_evict, bool):
+            raise ValueError(f"health_evict must be true or false, not {self.health_evict!r}.")
         if len(self.node_meta) > MAX_NODE_META:
             raise ValueError(
                 f"node_meta has {len(self.node_meta)} items; at most {MAX_NODE_META} fit (Consul "
@@ -241,7 +257,7 @@ CONNECTION_KEYS = ("token_file", "datacenter", "ca_file", "ca_path", "client_cer
 #: Keys of the torch adapter about this node: its id, its trainer-store address and backend.
 ADAPTER_KEYS = ("node_id", "local_addr", "use_libuv")
 #: Keys whose value is a boolean, parsed by the one boolean parser (``config.parse_bool``).
-BOOLEAN_KEYS = ("ssl", "verify", "use_libuv", "is_host")
+BOOLEAN_KEYS = ("ssl", "verify", "use_libuv", "is_host", "health_evict")
 #: torch's c10d backend's keys that have no equivalent here: accepted (so that a c10d
 #: ``--rdzv-conf`` carries over), validated as c10d would, and ignored with an INFO line saying
 #: why. (``keep_alive_max_attempt`` is mapped, see :func:`settings_from_conf`.)
@@ -261,7 +277,8 @@ REFUSED_KEYS = {
 }
 SETTINGS_KEYS = (*_FLOAT_KEYS, "timeout", "key_prefix", "service_name", "rank_policy",
                  "topology_keys", "node_rank", "node_meta", "store_port",
-                 "keep_alive_max_attempt", "metrics_port", "metrics_host")
+                 "keep_alive_max_attempt", "metrics_port", "metrics_host",
+                 "health_checks", "health_evict")
 VALID_KEYS = tuple(sorted({*SETTINGS_KEYS, *CONNECTION_KEYS, *ADAPTER_KEYS, *IGNORED_KEYS}))
 
 _PORTS = re.compile(r"^\s*(\d{1,5})\s*(?:-\s*(\d{1,5})\s*)?$")
@@ -452,6 +469,11 @@ def settings_from_conf(run_id: str, min_nodes: int, max_nodes: int,
                              "free port).") from None
     if conf.get("metrics_host") not in (None, ""):
         kwargs["metrics_host"] = str(conf["metrics_host"]).strip()
+    if conf.get("health_checks") not in (None, ""):
+        kwargs["health_checks"] = parse_health_checks(conf["health_checks"])
+    evict = conf_bool(conf, "health_evict")
+    if evict is not None:
+        kwargs["health_evict"] = evict
     store_port = parse_store_port(conf.get("store_port"))
     if store_port is not None:
         kwargs["store_port"] = store_port

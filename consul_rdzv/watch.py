@@ -137,10 +137,11 @@ def judge(known: Mapping[str, MemberView], names: Set[str], step: Step,
 
 
 def view_of(entry: KVEntry) -> MemberView:
-    rank = None
+    rank, healthy = None, True
     with contextlib.suppress(RendezvousStateError):
-        rank = Member.decode(entry).rank
-    return MemberView(entry.modify_index, rank)
+        member = Member.decode(entry)
+        rank, healthy = member.rank, not member.health
+    return MemberView(entry.modify_index, rank, healthy)
 
 
 class WatchHost(Protocol):

@@ -27,7 +27,7 @@
 #       hence the prefix rule)
 # Several teams on one Consul, each unable to touch the others' runs: docs/acl-team-policy.hcl.
 #
-# Not needed, verified: node_prefix (a session bound to the node's serfHealth check needs only
+# Not needed, verified: node write (a session bound to the node's serfHealth check needs only
 # session write on that node), agent_prefix (the job never calls /v1/agent/self), operator,
 # keyring, acl. The Consul agents keep their own agent token as usual; the agent syncs the
 # service a node registers to the catalog with the token it was registered with (Consul's
@@ -69,4 +69,12 @@ service_prefix "torchelastic-" {
 # destroy every session on the servers (see docs/configuration.md, "ACL").
 session_prefix "<node-prefix>" {
   policy = "write"
+}
+
+# Each node's read of its own Consul node's health checks (/v1/health/node/<node>, a blocking
+# query): a critical node-level check or maintenance mode holds the node out of rounds
+# (docs/health.md). Consul filters those checks by node read: without this rule a node sees
+# none and refuses to join, naming the rule. Not needed with --rdzv-conf health_checks=off.
+node_prefix "<node-prefix>" {
+  policy = "read"
 }

@@ -36,3 +36,9 @@ service "<team>-torchelastic" {
 session_prefix "<team>-" {
   policy = "write"
 }
+
+# Each node reads the health checks of its own Consul node (docs/health.md), on the team's own
+# Consul nodes only. Not needed with --rdzv-conf health_checks=off.
+node_prefix "<team>-" {
+  policy = "read"
+}

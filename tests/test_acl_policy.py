@@ -66,7 +66,7 @@ def shipped_file() -> str:
 def shipped_policy(node_prefix: str) -> str:
     """The shipped policy with the node-name prefix of the job's agents put in."""
     text = shipped_file()
-    assert text.count(f'"{NODE_PREFIX}"') == 1
+    assert text.count(f'"{NODE_PREFIX}"') == 2  # the session rule and the node (health) rule
     return text.replace(NODE_PREFIX, node_prefix)
 
 
@@ -157,13 +157,15 @@ def refused(handler: ConsulRendezvousHandler) -> str:
 # ----------------------------------------------------------------------------- the file
 
 
-def test_shipped_policy_has_the_three_prefix_rules_for_the_defaults():
+def test_shipped_policy_has_the_four_prefix_rules_for_the_defaults():
     blocks = rule_blocks(shipped_file())
     assert sorted(rule_header(b) for b in blocks) == [
-        'key_prefix "torchelastic/"', 'service_prefix "torchelastic-"',
-        f'session_prefix "{NODE_PREFIX}"'], [b.group(0) for b in blocks]
+        'key_prefix "torchelastic/"', f'node_prefix "{NODE_PREFIX}"',
+        'service_prefix "torchelastic-"', f'session_prefix "{NODE_PREFIX}"'], \
+        [b.group(0) for b in blocks]
     for block in blocks:
-        assert re.search(r'policy\s*=\s*"write"', block.group(0)), block.group(0)
+        access = "read" if block["kind"] == "node_prefix" else "write"
+        assert re.search(rf'policy\s*=\s*"{access}"', block.group(0)), block.group(0)
     text = shipped_file()
     assert f"sed 's/{NODE_PREFIX}/gpu-/' docs/acl-policy.hcl" in text
     assert "consul acl policy create -name consul-rdzv -rules -" in text
@@ -264,12 +266,12 @@ def test_torchrun_job_succeeds_with_a_token_holding_only_the_shipped_policy(acl_
 # ----------------------------------------------------------------------------- each rule
 
 
-@pytest.mark.parametrize("index", range(3), ids=["rule-1", "rule-2", "rule-3"])
+@pytest.mark.parametrize("index", range(4), ids=["rule-1", "rule-2", "rule-3", "rule-4"])
 def test_policy_without_one_rule_fails_fast_naming_it_as_shipped(acl_agent, acl, run_id,
                                                                  acl_node, index):
     policy = shipped_policy(acl_agent.node_name)
     blocks = rule_blocks(policy)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     block = blocks[index]
     token = acl.token(without_block(policy, block))
     text = refused(acl_node(run_id, token["SecretID"]))
@@ -278,13 +280,17 @@ def test_policy_without_one_rule_fails_fast_naming_it_as_shipped(acl_agent, acl,
     if block["kind"] == "session_prefix":
         assert f'Add the rule session "{acl_agent.node_name}" {{ policy = "write" }}' in text
         assert f'session_prefix "{NODE_PREFIX}" {{ policy = "write" }}' in text, text
+    elif block["kind"] == "node_prefix":
+        assert f'Add the rule node "{acl_agent.node_name}" {{ policy = "read" }}' in text, text
+        assert f'node_prefix "{NODE_PREFIX}" {{ policy = "read" }}' in text, text
     else:
         assert f'{rule_header(block)} {{ policy = "write" }}' in text, text
     assert "docs/acl-policy.hcl" in text, text
     # ... and the exact resource Consul denied.
     denied = {"key_prefix": f'"{block["name"]}{run_id}/',
               "service_prefix": f'"{block["name"]}{run_id}"',
-              "session_prefix": f'"{acl_agent.node_name}"'}[block["kind"]]
+              "session_prefix": f'"{acl_agent.node_name}"',
+              "node_prefix": f'"{acl_agent.node_name}"'}[block["kind"]]
     assert re.search(r"lacks permission '[a-z]+:[a-z]+' on " + re.escape(denied), text), text
     assert "unknown" not in text, text
     print(f"without {rule_header(block)}: {text}")
@@ -297,7 +303,7 @@ def test_policy_whose_key_rule_only_reads_fails_fast_naming_the_write_rule(acl_a
     text = _strip_comments(policy)
     reduced = (text[:key.start()] + key.group(0).replace('"write"', '"read"')
                + text[key.end():])
-    assert reduced.count('"read"') == 1
+    assert reduced.count('"read"') == text.count('"read"') + 1
     token = acl.token(reduced)
     message = refused(acl_node(run_id, token["SecretID"]))
     assert f"lacks permission 'key:write' on \"{key['name']}{run_id}/members/node-a\"" in message

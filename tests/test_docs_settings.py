@@ -96,6 +96,7 @@ def test_every_settings_field_is_in_the_table_with_the_codes_default():
         # derived defaults, stated as what they derive from
         "keep_alive_interval": ("`heartbeat_timeout` / 3", None),
         "service_name": ("`torchelastic-<run_id>`", None),
+        "health_evict": ("`true`", True),
     }
     for name, default in DEFAULTS.items():
         if name in ("min_nodes", "max_nodes"):
@@ -157,7 +158,8 @@ def test_each_documented_key_is_accepted_with_a_plausible_value(key):
              "keep_alive_max_attempt": "3", "keep_alive_interval": "5",
              "closed_retention": "600", "watch_wait": "30",
              "key_prefix": "p", "service_name": "s", "metrics_port": "0",
-             "metrics_host": "127.0.0.1"}.get(key, "7" if key.endswith("timeout") else "x")
+             "metrics_host": "127.0.0.1", "health_evict": "false",
+             "health_checks": "gpu-*"}.get(key, "7" if key.endswith("timeout") else "x")
     # metrics_host only goes with metrics_port (alone it is refused: nothing would listen)
     extra = {"metrics_port": "0"} if key == "metrics_host" else {}
     settings_from_conf("j", 1, 1, {key: value, **extra})

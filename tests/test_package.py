@@ -18,10 +18,10 @@ PACKAGE = ROOT / "consul_rdzv"
 
 def test_all_lists_exactly_the_public_names():
     public = {n for n in vars(consul_rdzv) if not n.startswith("_")} | {"__version__"}
-    modules = {"agents", "client", "cli", "config", "errors", "examples", "heartbeat", "join",
-               "keeper", "layout", "liveness", "metrics", "planning", "ranks", "registration",
-               "rendezvous", "runs", "service", "settings", "standing", "testing", "torch",
-               "watch"}
+    modules = {"agents", "client", "cli", "config", "errors", "examples", "health", "heartbeat",
+               "join", "keeper", "layout", "liveness", "metrics", "planning", "ranks",
+               "registration", "rendezvous", "runs", "service", "settings", "standing",
+               "testing", "torch", "watch"}
     assert set(consul_rdzv.__all__) == public - modules
     assert sorted(consul_rdzv.__all__) == consul_rdzv.__all__
 

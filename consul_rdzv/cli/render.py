@@ -38,6 +38,8 @@ def _node_row(rank: int | None, node: str, member: Member | None, inst: Instance
         # the check's TTL (heartbeat_timeout): a heartbeat older than this is a dead node's
         "ttl": (inst.meta.get("ttl") or None) if inst else None,
         "state": state,
+        # why its Consul node holds it out of rounds (docs/health.md), or None
+        "held_out": (member.health or None) if member else None,
     }
 
 
@@ -70,7 +72,7 @@ def status_doc(view: RunView) -> dict[str, Any]:
                      key=lambda m: (m.create_index, m.node))
     for member in waiting:
         rows.append(_node_row(None, member.node, member, view.instances.get(member.node), "",
-                              "waiting", now))
+                              "held out" if member.health else "waiting", now))
     listed = in_round | set(state.members)
     for node in sorted(set(view.instances) - listed):
         inst = view.instances[node]
@@ -107,6 +109,7 @@ def status_doc(view: RunView) -> dict[str, Any]:
         "closed": closed,
         "nodes": rows,
         "waiting": [m.node for m in waiting],
+        "held_out": {n: m.health for n, m in sorted(state.members.items()) if m.health},
         "agent_node": view.agent_node,
         "heartbeat_sources": sorted(sources),
         "instances_hidden": bool(state.members) and not view.instances,
@@ -181,6 +184,8 @@ def render_status(doc: dict[str, Any]) -> list[str]:
                        "  ")
     lines.append("")
     field_("waiting", ", ".join(doc["waiting"]) or "none")
+    for node, why in (doc.get("held_out") or {}).items():
+        field_("held out", f"{node}: {why}")
     if doc["instances_hidden"]:
         lines.append(f"  health: no service instance of {', '.join(doc['services'])} is visible: "
                      "its agents may be down, or ACLs hide it (a token needs service_prefix "
