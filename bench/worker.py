@@ -233,7 +233,11 @@ def install_hooks() -> None:
 
     # Versions whose RoundResult has no "announced" timing (--compare against an older one):
     # the moment the member write returned, on the node's own thread.
-    from consul_rdzv import join as consul_join
+    # (Versions before the runtime split have no consul_rdzv.join: no "announced" moment.)
+    try:
+        from consul_rdzv import join as consul_join
+    except ImportError:
+        return
 
     writer = getattr(getattr(consul_join, "Join", None), "_write_member", None)
     if writer is not None:
