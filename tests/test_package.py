@@ -20,7 +20,8 @@ def test_all_lists_exactly_the_public_names():
     public = {n for n in vars(consul_rdzv) if not n.startswith("_")} | {"__version__"}
     modules = {"agents", "client", "cli", "config", "errors", "examples", "heartbeat", "join",
                "keeper", "layout", "liveness", "planning", "ranks", "registration", "rendezvous",
-               "runs", "service", "settings", "standing", "testing", "torch", "watch"}
+               "runs", "service", "settings", "standing", "testing", "torch", "watch",
+               "worker"}
     assert set(consul_rdzv.__all__) == public - modules
     assert sorted(consul_rdzv.__all__) == consul_rdzv.__all__
 
