@@ -31,7 +31,16 @@ from typing import Any
 from .. import __version__
 from ..errors import ConsulError, ConsulUnavailableError, RendezvousError
 from ..service import DEFAULT_KEY_PREFIX, SERVICE_PREFIX
-from .commands import WATCH_WAIT, cmd_close, cmd_drain, cmd_gc, cmd_list, cmd_status, cmd_watch
+from .commands import (
+    WATCH_WAIT,
+    cmd_close,
+    cmd_drain,
+    cmd_gc,
+    cmd_history,
+    cmd_list,
+    cmd_status,
+    cmd_watch,
+)
 from .devtools import cmd_agent, cmd_demo
 from .text import CliError, UsageError, one_line, parse_duration
 
@@ -133,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", metavar="SECONDS", type=parse_duration, default=WATCH_WAIT,
                    help="longest blocking query (default %(default)gs, at most 10m: Consul's "
                         "cap); a query that times out shows nothing new")
+    p = command("history", cmd_history, "show a run's rounds: when each was sealed, how long it "
+                "trained, how it ended (who left, died or asked for a new round) and the time "
+                "lost until the next one, with the totals")
+    run_arg(p)
+    json_arg(p, "the history")
     p = command("close", cmd_close, "close a run: no further rounds (nodes training now keep "
                 "training until their next rendezvous)")
     run_arg(p)
