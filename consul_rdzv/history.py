@@ -64,9 +64,10 @@ def ending(previous: Round, state: RunState, order: list[str], now: float) -> di
 
 
 def involved(end: dict) -> list[str]:
-    """The nodes an ending names: gone, replaced, and the first to ask for a new round."""
-    nodes = [*end.get("gone", []), *end.get("replaced", [])]
-    if end.get("first") and end["first"] not in nodes:
+    """The nodes an ending blames: gone, replaced or joined; else the first to ask for a new
+    round (a restart: its workers failed, or its agent restarted)."""
+    nodes = [*end.get("gone", []), *end.get("replaced", []), *end.get("joined", [])]
+    if not nodes and end.get("first"):
         nodes.append(end["first"])
     return nodes
 

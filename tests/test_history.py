@@ -14,6 +14,7 @@ from rdzv_nodes import HB, figure, wait_for
 
 from consul_rdzv import history
 from consul_rdzv.client import MAX_TXN_OPS, txn_kv
+from consul_rdzv.errors import RendezvousClosedError
 from consul_rdzv.layout import HISTORY_ROUNDS, History, Member, Round, RunState, history_value
 
 CLI = [sys.executable, "-m", "consul_rdzv.cli"]
@@ -49,10 +50,11 @@ def test_ending_names_who_went_who_came_back_and_who_asked_first():
     assert end["cause"] == "gone" and end["gone"] == ["d"] and end["replaced"] == ["c"]
     assert end["first"] == "b" and end["joined"] == ["e"]
     assert end["ended_at"] == 1050.0 and end["trained"] == 50.0 and end["lost"] == 20.0
-    assert history.involved(end) == ["d", "c", "b"]
+    assert history.involved(end) == ["d", "c", "e"]
     quiet = RunState(members={n: _member(n, 101 + i, 1200.0 + i) for i, n in
                               enumerate(previous.ranks)})
-    assert history.ending(previous, quiet, previous.ranks, 1300.0)["cause"] == "restart"
+    restart = history.ending(previous, quiet, previous.ranks, 1300.0)
+    assert restart["cause"] == "restart" and history.involved(restart) == ["a"]
 
 
 def test_storm_pattern_needs_every_round_short_and_recent():
@@ -173,3 +175,49 @@ def test_history_of_ten_thousand_rounds_answers_fast(nodes):
     assert len(doc["rounds"]) == 1000 and doc["totals"]["rounds"] == 10000
     figure(f"consul-rdzv history of a 10,000-round run (1,000 in detail): {took:.2f}s text, "
            f"{took_json:.2f}s --json (whole command, Python start included)")
+
+
+# ----------------------------------------------------------------------------- restart storm
+
+
+def test_a_flapping_node_stops_the_run_with_a_restart_storm_error(nodes):
+    """Node f keeps joining and leaving (a new process each time); with storm_rounds=3 the
+    coordinator closes the run instead of sealing the fourth round, naming the pattern and f."""
+    settings = nodes.settings(min_nodes=1, max_nodes=2, storm_rounds=3, storm_window=120,
+                              storm_min_round=30)
+    a = nodes.node("a", settings)
+    flapper = nodes.node("f", settings)
+    assert nodes.rounds([a, flapper], 30)["a"].round == 1
+    flapper.leave()
+    assert nodes.rounds([a], 30)["a"].round == 2  # round 1 ended: f gone
+    flapper = nodes.node("f", settings)  # f comes back, a new process, and waits
+    waiting = nodes.start([flapper])
+    wait_for(lambda: "f" in nodes.members(), 15, "f's member key")
+    waiting.update(nodes.start([a]))  # a sees f: a new round, with f
+    assert nodes.gather(waiting, 30)["a"].round == 3  # round 2 ended: f joined
+    flapper.leave()
+    with pytest.raises(RendezvousClosedError) as err:  # round 3 ended: f gone, a storm
+        nodes.rounds([a], 30)
+    message = str(err.value)
+    assert "restart storm" in message and "rounds 1-3" in message and "f (3x)" in message, \
+        message
+    assert "consul-rdzv history" in message
+    current = nodes.current_round()
+    assert current.closed["outcome"] == "failed" and current.round == 3
+    doc = history_json(nodes)
+    assert doc["state"] == "closed" and "restart storm" in doc["totals"]["storm"]
+    assert doc["totals"]["rounds"] == 3 and doc["totals"]["restarts"] == 3
+
+    # a node of that job that asks again is refused with the same reason
+    with pytest.raises(RendezvousClosedError, match="restart storm"):
+        nodes.rounds([a], 30)
+
+
+def test_long_rounds_are_no_storm(nodes):
+    settings = nodes.settings(min_nodes=1, max_nodes=2, storm_rounds=2, storm_window=120,
+                              storm_min_round=0.5)
+    a = nodes.node("a", settings)
+    for _ in range(4):
+        nodes.rounds([a], 30)
+        time.sleep(0.6)  # the round trains longer than storm_min_round
+    assert nodes.current_round().closed is None

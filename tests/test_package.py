@@ -159,7 +159,8 @@ def test_compatibility_lists_every_rdzv_conf_key_as_stable():
 def test_compatibility_names_every_cli_command_and_global_option():
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
-    stable = backticked(doc_table_row("`list`, `status`, `watch`, `history`, `close`, `drain`, `gc`")[0])
+    stable = backticked(doc_table_row(
+        "`list`, `status`, `watch`, `history`, `close`, `drain`, `gc`")[0])
     unstable = backticked(doc_table_row("`agent`, `demo`")[0])
     assert sorted(stable + unstable) == sorted(commands)
     options = [o for o in backticked(doc_table_row("the global options")[0])
