@@ -221,3 +221,18 @@ def test_long_rounds_are_no_storm(nodes):
         nodes.rounds([a], 30)
         time.sleep(0.6)  # the round trains longer than storm_min_round
     assert nodes.current_round().closed is None
+
+
+def test_gc_archives_the_history_of_a_run_whose_nodes_all_died(nodes):
+    a = nodes.node("a", nodes.settings(min_nodes=1, max_nodes=1))
+    nodes.rounds([a], 30)
+    a.halt()  # killed: nobody archives the history
+    wait_for(lambda: not nodes.members(), HB * 3, "a's key gone")
+    assert all(not e.session for e in nodes.admin.kv_list(nodes.keys.history).data)
+    proc = cli(nodes, "gc", "--yes", "--older-than", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert nodes.admin.kv_keys(nodes.keys.prefix + "/") == []
+    entries = nodes.admin.kv_list(nodes.keys.history).data
+    assert entries and all(e.session for e in entries), [(e.key, e.session) for e in entries]
+    assert nodes.admin.session_info(entries[0].session)["TTL"] == "86400s"
+    assert history_json(nodes)["state"] == "ended"

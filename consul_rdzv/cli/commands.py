@@ -6,6 +6,7 @@ reported by ``main()``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import queue
 import socket
 import threading
@@ -16,8 +17,8 @@ from typing import Any
 from .. import runs
 from ..client import BlockingIndex, ConsulClient, KVEntry, Step
 from ..config import ConsulConfig
-from ..errors import ConsulTxnConflict
-from ..layout import History, Keys, Round, RunState
+from ..errors import ConsulError, ConsulTxnConflict, RendezvousError
+from ..layout import HISTORY_DIR, History, Keys, Round, RunState
 from ..runs import Closing, Verdict
 from ..service import NODE_ID_RULE, valid_node_id
 from ..settings import RendezvousSettings
@@ -304,6 +305,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             except ConsulTxnConflict:
                 row["why"] = "changed while being deleted (a node joined?): left as it is"
                 kept.append(row)
+        _archive_histories(reader, args, set(entries) - {r["run_id"] for r in deleted})
     if args.json:
         doc: dict[str, Any] = {"key_prefix": args.key_prefix, "consul": reader.url,
                                "dry_run": not args.yes, "older_than": args.older_than}
@@ -331,6 +333,21 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print("\n".join(table(["RUN", "STATE", "WHY"],
                               [[r["run_id"], r["state"], r["why"]] for r in kept], "  ")))
     return 0
+
+
+def _archive_histories(reader: Reader, args: argparse.Namespace, live: set[str]) -> None:
+    """The round histories of the runs ``gc`` deleted, and of runs gone otherwise (every node
+    died), are archived as the last node would have (kept for the default history_retention,
+    then removed by Consul)."""
+    _, found = reader.tree(f"{args.key_prefix}/{HISTORY_DIR}")
+    start = len(args.key_prefix) + len(HISTORY_DIR) + 2
+    orphans = {e.key[start:].split("/", 1)[0] for e in found if not e.session} - live - {""}
+    retention = RendezvousSettings(run_id="x").history_retention
+    for run_id in sorted(orphans):
+        with contextlib.suppress(ConsulError, RendezvousError):
+            runs.archive_history(reader.client, Keys(f"{args.key_prefix}/{run_id}"),
+                                 run_id=run_id, retention=retention,
+                                 deadline=time.monotonic() + args.consul_timeout)
 
 
 def _gc_reason(row: dict[str, Any], older_than: float) -> tuple[bool, str]:
