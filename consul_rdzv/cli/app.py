@@ -165,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--older-than", metavar="DURATION", type=parse_duration, default=600.0,
                    help="an unclosed run without nodes is abandoned once idle this long "
                         "(e.g. 30s, 10m, 2h; default 10m)")
+    p.add_argument("--history-retention", metavar="DURATION", type=parse_duration,
+                   default=86400.0,
+                   help="how long the round history of a deleted run is kept (0: deleted now; "
+                        "else 10s-1d, Consul's session TTL range; default 1d)")
     json_arg(p, "what would be (or was) deleted and kept")
     p = command("agent", cmd_agent, "run a Consul dev agent until Ctrl-C: on 127.0.0.1 and a "
                 "free port, or where --bind/--port (or --address HOST:PORT) say, to serve other "

@@ -290,6 +290,9 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """``gc``: delete runs that ended (closed, no live node) or were abandoned."""
+    if args.history_retention and not 10 <= args.history_retention <= 86400:
+        raise UsageError(f"--history-retention {args.history_retention:g}s is outside 10s-1d "
+                         "(the TTL of the Consul session that keeps it); 0 deletes it now.")
     reader, entries, rows = _all_runs(args)
     doomed: list[dict[str, Any]] = []
     kept: list[dict[str, Any]] = []
@@ -337,16 +340,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def _archive_histories(reader: Reader, args: argparse.Namespace, live: set[str]) -> None:
     """The round histories of the runs ``gc`` deleted, and of runs gone otherwise (every node
-    died), are archived as the last node would have (kept for the default history_retention,
-    then removed by Consul)."""
+    died), are archived as the last node would have (kept for ``--history-retention``, then
+    removed by Consul)."""
     _, found = reader.tree(f"{args.key_prefix}/{HISTORY_DIR}")
     start = len(args.key_prefix) + len(HISTORY_DIR) + 2
     orphans = {e.key[start:].split("/", 1)[0] for e in found if not e.session} - live - {""}
-    retention = RendezvousSettings(run_id="x").history_retention
     for run_id in sorted(orphans):
         with contextlib.suppress(ConsulError, RendezvousError):
             runs.archive_history(reader.client, Keys(f"{args.key_prefix}/{run_id}"),
-                                 run_id=run_id, retention=retention,
+                                 run_id=run_id, retention=args.history_retention,
                                  deadline=time.monotonic() + args.consul_timeout)
 
 
