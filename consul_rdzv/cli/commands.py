@@ -406,16 +406,15 @@ def history_doc(run_id: str, jobs: list[History], current: Round | None,
             last["trained"] = round(max(0.0, until - _float(records[-1].get("sealed_at"))), 3)
         last["running"] = live and not closed
     rounds = int(totals.get("rounds", 0))
-    trained = _float(totals.get("trained")) + _float(last["trained"] if last and
-                                                      last["ended"] is None and last["trained"]
-                                                      else 0.0)
+    # the totals count the rounds that ended; the last one has trained until now (or its end)
+    current_share = last["trained"] if last is not None and last["ended"] is None else None
+    trained = _float(totals.get("trained")) + _float(current_share)
     lost = _float(totals.get("lost"))
     return {
         "run_id": run_id, "job": hist.job, "jobs": [h.job for h in jobs],
         "state": "running" if live and not closed else ("closed" if closed else "ended"),
         "closed": closed, "ended_at": utc(totals.get("ended_at")),
-        "kept_until_about": None if not hist.session else "deleted by Consul one to two "
-                            "history_retention TTLs after the end",
+        "archived": bool(hist.session),
         "totals": {"rounds": rounds, "restarts": int(totals.get("restarts", 0)),
                    "trained": round(trained, 3), "lost": round(lost, 3),
                    "lost_share": round(lost / (lost + trained), 4) if lost + trained else 0.0,
