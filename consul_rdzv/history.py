@@ -26,6 +26,9 @@ from .layout import HISTORY_NAMES, HISTORY_ROUNDS, Keys, Round, RunState, histor
 RECENT_MAX = 50
 
 CAUSES = ("drained", "gone", "replaced", "joined", "restart")
+#: The endings a restart storm is made of: failures. A node joining (the job grows, nodes
+#: arriving one by one at its start) or an operator's drain is no failure.
+STORM_CAUSES = ("gone", "replaced", "restart")
 
 
 def _names(nodes: list[str]) -> list[str]:
@@ -96,8 +99,9 @@ def totals(previous: dict, sealed: Round, after: dict | None) -> dict:
 
 
 def recent(previous: list, after: dict | None, keep: int) -> list:
-    """The last ``keep`` endings (for the storm check), the newest last."""
-    if after is None or keep <= 0:
+    """The last ``keep`` failure endings (:data:`STORM_CAUSES`, for the storm check), the
+    newest last."""
+    if after is None or keep <= 0 or after["cause"] not in STORM_CAUSES:
         return list(previous[-keep:]) if keep > 0 else []
     short = {"round": after["round"], "ended_at": after["ended_at"],
              "trained": after["trained"], "cause": after["cause"],
@@ -129,7 +133,8 @@ def storm(endings: list, *, rounds: int, window: float, min_round: float,
     nodes = Counter(n for e in last for n in e.get("nodes", []))
     causes = Counter(e["cause"] for e in last)
     named = ", ".join(f"{n} ({c}x)" for n, c in nodes.most_common(8)) or "none named"
-    return (f"restart storm: the last {rounds} rounds (rounds {last[0]['round']}-"
-            f"{last[-1]['round']}) each ended after less than {min_round:g}s of training, "
-            f"all within {window:g}s ({', '.join(f'{k} {v}x' for k, v in causes.items())}); "
+    counted = ", ".join(f"{k} {v}x" for k, v in causes.items())
+    return (f"restart storm: the last {rounds} failures (in rounds {last[0]['round']}-"
+            f"{last[-1]['round']}) each ended a round after less than {min_round:g}s of "
+            f"training, all within {window:g}s ({counted}); "
             f"nodes involved: {named}")

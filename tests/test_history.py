@@ -62,6 +62,9 @@ def test_storm_pattern_needs_every_round_short_and_recent():
         return {"round": n, "ended_at": at, "trained": trained, "cause": "gone", "nodes": [node]}
 
     short = [end(i, 1000.0 + 10 * i, 5.0) for i in range(1, 6)]
+    joined = {**short[0], "lost": 1.0, "cause": "joined", "gone": [], "replaced": [],
+              "joined": ["x"], "first": None}
+    assert history.recent(short, joined, 5) == short, "a node joining is no failure"
     reason = history.storm(short, rounds=5, window=600, min_round=60, now=1100.0)
     assert reason and "rounds 1-5" in reason and "flappy (5x)" in reason
     assert history.storm(short, rounds=0, window=600, min_round=60, now=1100.0) is None
@@ -182,31 +185,35 @@ def test_history_of_ten_thousand_rounds_answers_fast(nodes):
 
 def test_a_flapping_node_stops_the_run_with_a_restart_storm_error(nodes):
     """Node f keeps joining and leaving (a new process each time); with storm_rounds=3 the
-    coordinator closes the run instead of sealing the fourth round, naming the pattern and f."""
+    coordinator closes the run once three rounds in a row ended by a failure (f gone), naming
+    the pattern and f. The rounds f's arrivals ended (joined: the job grew) count for nothing."""
     settings = nodes.settings(min_nodes=1, max_nodes=2, storm_rounds=3, storm_window=120,
                               storm_min_round=30)
-    a = nodes.node("a", settings)
-    flapper = nodes.node("f", settings)
+    a, flapper = nodes.node("a", settings), nodes.node("f", settings)
     assert nodes.rounds([a, flapper], 30)["a"].round == 1
     flapper.leave()
-    assert nodes.rounds([a], 30)["a"].round == 2  # round 1 ended: f gone
-    flapper = nodes.node("f", settings)  # f comes back, a new process, and waits
-    waiting = nodes.start([flapper])
-    wait_for(lambda: "f" in nodes.members(), 15, "f's member key")
-    waiting.update(nodes.start([a]))  # a sees f: a new round, with f
-    assert nodes.gather(waiting, 30)["a"].round == 3  # round 2 ended: f joined
-    flapper.leave()
-    with pytest.raises(RendezvousClosedError) as err:  # round 3 ended: f gone, a storm
+    assert nodes.rounds([a], 30)["a"].round == 2  # round 1 ended: f gone (1)
+    for number in (3, 5):
+        flapper = nodes.node("f", settings)  # f comes back, a new process, and waits
+        waiting = nodes.start([flapper])
+        wait_for(lambda: "f" in nodes.members(), 15, "f's member key")
+        waiting.update(nodes.start([a]))  # a sees f: a new round with f
+        assert nodes.gather(waiting, 30)["a"].round == number  # f joined: no failure
+        flapper.leave()
+        if number == 3:
+            assert nodes.rounds([a], 30)["a"].round == 4  # round 3 ended: f gone (2)
+    with pytest.raises(RendezvousClosedError) as err:  # round 5 ended: f gone (3), a storm
         nodes.rounds([a], 30)
     message = str(err.value)
-    assert "restart storm" in message and "rounds 1-3" in message and "f (3x)" in message, \
+    assert "restart storm" in message and "rounds 1-5" in message and "f (3x)" in message, \
         message
-    assert "consul-rdzv history" in message
+    assert "gone 3x" in message and "consul-rdzv history" in message
     current = nodes.current_round()
-    assert current.closed["outcome"] == "failed" and current.round == 3
+    assert current.closed["outcome"] == "failed" and current.round == 5
     doc = history_json(nodes)
     assert doc["state"] == "closed" and "restart storm" in doc["totals"]["storm"]
-    assert doc["totals"]["rounds"] == 3 and doc["totals"]["restarts"] == 3
+    assert doc["totals"]["rounds"] == 5 and doc["totals"]["restarts"] == 5
+    assert doc["totals"]["causes"] == {"gone": 3, "joined": 2}
 
     # a node of that job that asks again is refused with the same reason
     with pytest.raises(RendezvousClosedError, match="restart storm"):
