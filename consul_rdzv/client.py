@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.parse
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -440,6 +440,9 @@ class ConsulClient:
         self._lock = threading.Lock()
         self._mine = threading.local()
         self.request_counts: Counter[str] = Counter()
+        #: Called once per HTTP request with its path and status code (None: no answer), from
+        #: the thread that sent it: the node's metrics (:mod:`consul_rdzv.metrics`) when on.
+        self.observer: Callable[[str, int | None], None] | None = None
 
     def __repr__(self) -> str:
         return f"ConsulClient(url={self.config.url!r})"
@@ -479,10 +482,12 @@ class ConsulClient:
             raw = json.dumps(body).encode()
         read = read_timeout or self.timeout
         timeout = urllib3.Timeout(connect=min(self.timeout, 5.0, read), read=read)
+        code: int | None = None
         try:
             answer = self._pool.urlopen(method, url, body=raw, headers=self._headers,
                                         timeout=timeout, retries=False, redirect=False,
                                         assert_same_host=False)
+            code = answer.status
             resp = Response(answer.status, answer.headers, answer.data, self.config.url, what)
         except SSLError as exc:
             raise ConsulConfigError(
@@ -496,6 +501,9 @@ class ConsulClient:
             raise ConsulUnavailableError(
                 f"Consul at {self.config.url} did not answer {what}: {_short(exc)}"
             ) from exc
+        finally:
+            if self.observer is not None:
+                self.observer(path, code)
         if (resp.status_code == 400
                 and "Client sent an HTTP request to an HTTPS server" in resp.text):
             raise ConsulConfigError(

@@ -54,6 +54,9 @@ class Heartbeat:
         self.max_gap = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Called after each pass with its duration and whether it succeeded (the node's
+        #: metrics, when on), from this thread.
+        self.observer: Callable[[float, bool], None] | None = None
 
     @property
     def started(self) -> bool:
@@ -108,10 +111,14 @@ class Heartbeat:
                 self.max_gap = max(self.max_gap, started - self.last_pass)
                 self.last_pass = started
                 failures = 0
+                if self.observer is not None:
+                    self.observer(time.monotonic() - started, True)
                 continue
             except ConsulNotFound as exc:
+                self._observe_failure(started)
                 self._on_refused(exc)
             except ConsulError as exc:
+                self._observe_failure(started)
                 failures += 1
                 if failures == 1 or failures % 10 == 0:
                     logger.warning("Heartbeat of node %s failed %d time(s): %s", self.node_id,
@@ -119,3 +126,7 @@ class Heartbeat:
             silent = time.monotonic() - self.last_pass
             if silent > ttl:
                 self._on_silent(silent)
+
+    def _observe_failure(self, started: float) -> None:
+        if self.observer is not None:
+            self.observer(time.monotonic() - started, False)

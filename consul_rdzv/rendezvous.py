@@ -52,6 +52,7 @@ from .errors import (
 )
 from .join import Join, RoundResult, _Rejoin
 from .layout import Keys, Round
+from .metrics import DEFAULT_HOST, NodeMetrics
 from .planning import (
     MAX_TXN_BYTES,
     json_len,
@@ -65,7 +66,7 @@ from .runs import OUTCOME_FINISHED as OUTCOME_FINISHED
 from .service import NODE_ID_RULE, training_meta, training_note, valid_node_id
 from .settings import RendezvousSettings
 from .standing import Standing
-from .watch import RoundWatch, WatchedRound
+from .watch import RoundWatch, WatchedRound, why_over
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ META_DELAY = 0.5
 #: sharing one agent must not all re-register at once, or their heartbeats starve.
 META_SPREAD = 0.02
 META_SPREAD_MAX = 30.0
+#: How a broken round's reason begins when this node lost its own registration.
+OUT_OF_ROUND = "this node is out of its round"
 
 
 def default_node_id() -> str:
@@ -117,6 +120,14 @@ class ConsulRendezvous:
         self._round: RoundResult | None = None
         self._left = False
         self._warned_settings: tuple[int, int] | None = None
+        #: The node's metrics (the ``metrics_port`` setting), None when off.
+        self.metrics: NodeMetrics | None = None
+        if settings.metrics_port is not None:
+            self.metrics = NodeMetrics(settings.run_id, self.node_id,
+                                       port=settings.metrics_port,
+                                       host=settings.metrics_host or DEFAULT_HOST)
+            self.client.observer = self.metrics.request
+            self.registration.heartbeat.observer = self.metrics.heartbeat
 
     def __repr__(self) -> str:
         return f"ConsulRendezvous(run={self.settings.run_id!r}, node={self.node_id!r})"
@@ -152,6 +163,29 @@ class ConsulRendezvous:
         if self._left:
             raise RendezvousStateError(f"Node {self.node_id} has left run {self.run_id}; "
                                        "create a new ConsulRendezvous to join again.")
+        if self.metrics is None:
+            return self._next_round()
+        if self._round is not None:
+            self.metrics.restarted(self.restart_cause())
+        with self.metrics.rendezvous():
+            result = self._next_round()
+        self.metrics.joined(result.round, result.world_size)
+        return result
+
+    def restart_cause(self) -> str:
+        """Why this node enters a new rendezvous after a round it was in, as far as it knows
+        without asking Consul (one of :data:`consul_rdzv.metrics.RESTART_CAUSES`)."""
+        reason = self.standing.broken_reason if self.standing.broken else ""
+        if self.registration.lost or reason.startswith(OUT_OF_ROUND):
+            return "health"
+        over = why_over(reason)
+        if over is not None:
+            return over
+        if self.standing.waiting() > 0:
+            return "spare"
+        return "local"
+
+    def _next_round(self) -> RoundResult:
         self.registration.watch_gossip(False)
         self.standing.begin()
         # Probe the session only once the node has waited a while: a quick round needs no
@@ -350,6 +384,8 @@ class ConsulRendezvous:
                 with contextlib.suppress(ConsulError, RendezvousStateError):
                     self._clean_up_run(deadline)
         ok = self.registration.close(deadline) and ok
+        if self.metrics is not None:
+            self.metrics.close()
         logger.info("Node %s left run %s.", self.node_id, self.run_id)
         return ok
 
@@ -361,6 +397,8 @@ class ConsulRendezvous:
             self._left = True
         self.standing.end()  # it ends after its current query
         self.registration.halt()
+        if self.metrics is not None:
+            self.metrics.close()
 
     # ------------------------------------------------------------------ helpers
 
@@ -378,7 +416,9 @@ class ConsulRendezvous:
         )
 
     def _on_lost(self, reason: str) -> None:
-        self.standing.set_broken(f"this node is out of its round: {reason}")
+        if self.metrics is not None:
+            self.metrics.session_lost()
+        self.standing.set_broken(f"{OUT_OF_ROUND}: {reason}")
 
     # ------------------------------------------------------------------ what a run leaves behind
 

@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_.\-/]{1,200}$")
 _META_KEY = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+#: A bind address: an IPv4/IPv6 address or a host name.
+_HOST = re.compile(r"^[A-Za-z0-9_.:%-]{1,253}$")
 #: Consul allows 64 meta pairs per service instance; consul-rdzv uses the reserved ones
 #: (service.RESERVED_META, which a node_meta item may not replace).
 MAX_NODE_META = MAX_META - len(RESERVED_META)
@@ -58,6 +60,10 @@ class RendezvousSettings:
 
     ``store_port`` (the torch adapter's) pins rank 0's trainer store to a port or a range
     ``(first, last)`` for firewalled hosts; None lets the kernel choose an ephemeral port.
+
+    ``metrics_port`` (None: off) serves the node's metrics in Prometheus' format on that port
+    (0: any free port, logged), bound to ``metrics_host`` (default every interface);
+    :mod:`consul_rdzv.metrics`, which needs the ``metrics`` extra.
     """
 
     run_id: str
@@ -83,6 +89,8 @@ class RendezvousSettings:
     node_rank: int | None = None
     node_meta: Mapping[str, str] = field(default_factory=dict)
     store_port: tuple[int, int] | None = None
+    metrics_port: int | None = None
+    metrics_host: str | None = None
 
     def __post_init__(self) -> None:
         # "." and ".." path segments are removed from Consul KV URLs (GET /v1/kv/a/../b reads
@@ -174,6 +182,25 @@ class RendezvousSettings:
                     f"store_port {port!r} is invalid: give a port (29400) or a range of ports "
                     "(29400-29499), each between 1 and 65535, the first not above the last."
                 )
+        if self.metrics_port is not None and not (
+                isinstance(self.metrics_port, int) and not isinstance(self.metrics_port, bool)
+                and 0 <= self.metrics_port <= 65535):
+            raise ValueError(
+                f"metrics_port {self.metrics_port!r} is invalid: give a port between 1 and "
+                "65535 for the node's /metrics endpoint, or 0 for any free port (logged)."
+            )
+        if self.metrics_host is not None and (
+                not isinstance(self.metrics_host, str) or not _HOST.match(self.metrics_host)):
+            raise ValueError(
+                f"metrics_host {self.metrics_host!r} is invalid: give the address the node's "
+                "/metrics endpoint binds to (an IP address or a host name, e.g. 127.0.0.1; "
+                "default 0.0.0.0, every interface)."
+            )
+        if self.metrics_host is not None and self.metrics_port is None:
+            raise ValueError(
+                "metrics_host is set but metrics_port is not: metrics are served only when "
+                "metrics_port is set (0 for any free port)."
+            )
         if self.rank_policy not in POLICIES:
             raise ValueError(
                 f"rank_policy {self.rank_policy!r} is unknown; choose one of {', '.join(POLICIES)}."
@@ -256,7 +283,7 @@ REFUSED_KEYS = {
 }
 SETTINGS_KEYS = (*_FLOAT_KEYS, "timeout", "key_prefix", "service_name", "rank_policy",
                  "topology_keys", "node_rank", "node_meta", "store_port",
-                 "keep_alive_max_attempt", "storm_rounds")
+                 "keep_alive_max_attempt", "storm_rounds", "metrics_port", "metrics_host")
 VALID_KEYS = tuple(sorted({*SETTINGS_KEYS, *CONNECTION_KEYS, *ADAPTER_KEYS, *IGNORED_KEYS}))
 
 _PORTS = re.compile(r"^\s*(\d{1,5})\s*(?:-\s*(\d{1,5})\s*)?$")
@@ -444,6 +471,15 @@ def settings_from_conf(run_id: str, min_nodes: int, max_nodes: int,
                 k, v = item.split("=", 1)
                 meta[k] = v
             kwargs["node_meta"] = meta
+    if conf.get("metrics_port") not in (None, ""):
+        raw = conf["metrics_port"]
+        try:
+            kwargs["metrics_port"] = raw if isinstance(raw, int) else int(str(raw).strip())
+        except ValueError:
+            raise ValueError(f"rdzv conf metrics_port={raw!r} is not a port number (0 for any "
+                             "free port).") from None
+    if conf.get("metrics_host") not in (None, ""):
+        kwargs["metrics_host"] = str(conf["metrics_host"]).strip()
     store_port = parse_store_port(conf.get("store_port"))
     if store_port is not None:
         kwargs["store_port"] = store_port

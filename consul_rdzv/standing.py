@@ -89,6 +89,11 @@ class Standing:
     def broken_reason(self) -> str:
         return self._broken_reason
 
+    @property
+    def broken(self) -> bool:
+        """The current round cannot run any more (:attr:`broken_reason` says why)."""
+        return self._broken.is_set()
+
     def waiting(self) -> int:
         """``num_nodes_waiting()``: 0 for good once the job finished in this round; at least 1
         while this node is out of its round (lost, suspected, replaced, refused)."""

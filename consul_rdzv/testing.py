@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import random
 import re
 import shutil
 import signal
@@ -120,11 +121,46 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+#: Where :func:`free_ports` looks when the kernel's ephemeral range cannot be read (Linux's
+#: default ``ip_local_port_range`` is 32768-60999).
+_EPHEMERAL_DEFAULT = (32768, 60999)
+_LOWEST = 10000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct free ports: every socket stays bound until all are chosen."""
+    """``count`` distinct free ports: every socket stays bound until all are chosen.
+
+    The ports are taken below the kernel's ephemeral range when there is room (10000 up to
+    it): a port of that range, free while an agent is stopped, can be taken meanwhile as the
+    local port of any outgoing connection on the host, and the agent restarted on it then
+    fails with "address already in use" (seen with parallel test runs). Outside that range only
+    another listener can take it."""
+    low, high = _ephemeral_range()
+    span = range(_LOWEST, low) if low - _LOWEST >= 1000 else range(high + 1, 65536)
     with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
+        ports: list[int] = []
+        for _ in range(50 * count):
+            if len(ports) == count:
+                break
+            port = random.choice(span) if len(span) >= 1000 else 0
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            chosen = s.getsockname()[1]
+            if chosen not in ports:
+                ports.append(chosen)
+        while len(ports) < count:  # nothing free in the span: the kernel's choice
             s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             s.bind((host, 0))
             ports.append(s.getsockname()[1])

@@ -252,6 +252,13 @@ class ConsulRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> ConsulRendezvousInfo:
         """See base class."""
+        metrics = self._rdzv.metrics
+        # The node's rendezvous duration runs from this call to its return (the meeting at
+        # the trainer store included), however many rounds it takes.
+        with metrics.rendezvous() if metrics is not None else contextlib.nullcontext():
+            return self._next_rendezvous()
+
+    def _next_rendezvous(self) -> ConsulRendezvousInfo:
         self._server = None  # the previous round's store server goes away with its round
         self._in_round = None
         _leave_on_signals()

@@ -69,6 +69,21 @@ WATCH_WAIT = 300.0
 #: up to the maximum: never a busy loop against a lagging server.
 RETRY_PAUSE = 0.05
 RETRY_PAUSE_MAX = 2.0
+#: How the reason a round is over names its participants that are gone, and those that ask for
+#: a new round (known by name, or only from the names' index): :func:`why_over` reads it back.
+GONE = "gone: "
+ASKING = "asking for a new round: "
+ASKS = "a participant asks for a new round"
+
+
+def why_over(reason: str) -> str | None:
+    """What ended a round, from the watch's reason: ``departure`` (a participant is gone),
+    ``rejoin`` (one asks for a new round), None (not the watch's reason)."""
+    if GONE in reason:
+        return "departure"
+    if ASKING in reason or ASKS in reason:
+        return "rejoin"
+    return None
 
 
 class Action(enum.Enum):
@@ -87,8 +102,8 @@ class Judgement:
     def reason(self) -> str:
         if self.gone:
             more = ", ..." if len(self.gone) > 8 else ""
-            return f"gone: {', '.join(self.gone[:8])}{more}"
-        return "a participant asks for a new round" if self.asking else ""
+            return f"{GONE}{', '.join(self.gone[:8])}{more}"
+        return ASKS if self.asking else ""
 
 
 def judge(known: Mapping[str, MemberView], names: Set[str], step: Step,
@@ -275,8 +290,8 @@ class RoundWatch:
         gone = [n for n in broken if n not in known]
         asking = [n for n in broken if n in known]
         return "; ".join(part for part in (
-            f"gone: {', '.join(gone[:8])}" if gone else "",
-            f"asking for a new round: {', '.join(asking[:8])}" if asking else "") if part), \
+            f"{GONE}{', '.join(gone[:8])}" if gone else "",
+            f"{ASKING}{', '.join(asking[:8])}" if asking else "") if part), \
             bool(gone)
 
     def _behind(self, res: QueryResult) -> bool:

@@ -160,6 +160,8 @@ def test_each_documented_key_is_accepted_with_a_plausible_value(key):
              "keep_alive_max_attempt": "3", "keep_alive_interval": "5",
              "closed_retention": "600", "watch_wait": "30", "history_retention": "3600",
              "storm_rounds": "5", "storm_window": "600", "storm_min_round": "60",
-             "key_prefix": "p", "service_name": "s"}.get(key, "7" if key.endswith("timeout")
-                                                          else "x")
-    settings_from_conf("j", 1, 1, {key: value})
+             "key_prefix": "p", "service_name": "s", "metrics_port": "0",
+             "metrics_host": "127.0.0.1"}.get(key, "7" if key.endswith("timeout") else "x")
+    # metrics_host only goes with metrics_port (alone it is refused: nothing would listen)
+    extra = {"metrics_port": "0"} if key == "metrics_host" else {}
+    settings_from_conf("j", 1, 1, {key: value, **extra})

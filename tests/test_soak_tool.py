@@ -45,6 +45,7 @@ def test_bad_arguments_get_one_clear_error(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.consul  # bench.soak starts its own dev agent
 @pytest.mark.timeout(180)
 def test_a_short_flatness_run_records_samples_and_checks(tmp_path):
     out = tmp_path / "flat.json"

@@ -523,6 +523,12 @@ def _http_requests(agent) -> tuple[int, int]:
     return passes, others
 
 
+def _published(handler) -> bool:
+    """The node's service shows what it last published (its keep thread's meta publish ran)."""
+    keeper = handler.rendezvous.registration.keeper
+    return keeper.published == keeper.shown
+
+
 @pytest.mark.timeout(300)
 def test_back_to_back_rounds_stay_within_the_request_budget(fresh_agent, prefix, run_id,
                                                             make_handler):
@@ -536,7 +542,8 @@ def test_back_to_back_rounds_stay_within_the_request_budget(fresh_agent, prefix,
     interval = handlers[0].rendezvous.settings.heartbeat_interval
     with ThreadPoolExecutor(max_workers=n) as executor:
         rendezvous_all(executor, handlers, timeout=60)
-        time.sleep(2)  # let the first round's meta publishes land (they are first-round cost)
+        # the first round's meta publishes are first-round cost: counted before the window
+        wait_for(lambda: all(_published(h) for h in handlers), 60, "the meta publishes")
         passes_before, before = _http_requests(fresh_agent)
         started = time.monotonic()
         took = []
@@ -551,7 +558,7 @@ def test_back_to_back_rounds_stay_within_the_request_budget(fresh_agent, prefix,
             infos = [f.result(timeout=60) for f in futures]
             took.append(time.monotonic() - round_started)
             assert sorted(i.rank for i in infos) == list(range(n))
-        time.sleep(2)  # and the last round's
+        wait_for(lambda: all(_published(h) for h in handlers), 60, "the meta publishes")
         passes_after, after = _http_requests(fresh_agent)
         elapsed = time.monotonic() - started
     per_node_round = (after - before) / (n * rounds)

@@ -6,6 +6,7 @@
     consul-rdzv close RUN [--reason TEXT]   no further rounds (training nodes train on)
     consul-rdzv drain RUN NODE              take a node out now: the job re-forms without it
     consul-rdzv gc [--yes]                  delete ended and abandoned runs (dry run by default)
+    consul-rdzv exporter [--bind --port]    serve every run's metrics to Prometheus (/metrics)
     consul-rdzv agent [--bind ADDR --port N] a Consul dev agent until Ctrl-C
     consul-rdzv demo [--keep]               a real 3-node torchrun job on this machine
 
@@ -16,7 +17,8 @@ first, then the ``CONSUL_*`` variables, then the defaults. Errors are one line o
 reference.
 
 This module is the program itself: its arguments, ``main()`` and its exit codes. The commands
-are :mod:`.commands` (list, status, watch, close, drain, gc) and :mod:`.devtools` (agent, demo).
+are :mod:`.commands` (list, status, watch, close, drain, gc), :mod:`.exporter` (exporter) and
+:mod:`.devtools` (agent, demo).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from .commands import (
     cmd_watch,
 )
 from .devtools import cmd_agent, cmd_demo
+from .exporter import DEFAULT_BIND, DEFAULT_PORT, cmd_exporter
 from .text import CliError, UsageError, one_line, parse_duration
 
 PROG = "consul-rdzv"
@@ -170,6 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long the round history of a deleted run is kept (0: deleted now; "
                         "else 10s-1d, Consul's session TTL range; default 1d)")
     json_arg(p, "what would be (or was) deleted and kept")
+    p = command("exporter", cmd_exporter, "serve the state of every run under the key prefix "
+                "in Prometheus' format on /metrics, read from Consul at each scrape (one "
+                "exporter per fleet; needs the metrics extra)")
+    p.add_argument("--bind", metavar="ADDR", default=DEFAULT_BIND,
+                   help="address to listen on (default %(default)s: every interface)")
+    p.add_argument("--port", metavar="PORT", type=int, default=DEFAULT_PORT,
+                   help="port to listen on (default %(default)s; 0: any free port, printed)")
+    p.add_argument("--timeout", metavar="SECONDS", type=parse_duration, default=None,
+                   help="stop (exit 0) after this long (default: until Ctrl-C)")
     p = command("agent", cmd_agent, "run a Consul dev agent until Ctrl-C: on 127.0.0.1 and a "
                 "free port, or where --bind/--port (or --address HOST:PORT) say, to serve other "
                 "hosts for a first trial (UNSECURED: no ACLs, no TLS)")
@@ -203,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        return EXIT_OK if args.command == "watch" else EXIT_INTERRUPTED
+        return EXIT_OK if args.command in ("watch", "exporter") else EXIT_INTERRUPTED
     except BrokenPipeError:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

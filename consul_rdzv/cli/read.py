@@ -221,10 +221,17 @@ class Reader:
     def passing_runs(self) -> dict[str, int]:
         """run id -> how many passing consul-rdzv service instances carry its tag."""
         try:
-            res, _ = self.client.read_with_headers(
-                "/v1/health/state/any", params={"filter": f'"{RDZV_TAG}" in ServiceTags'})
+            health = self.instance_health()
         except ConsulError:
             return {}
+        return {run: counts["passing"] for run, counts in health.items()
+                if counts.get("passing")}
+
+    def instance_health(self) -> dict[str, dict[str, int]]:
+        """run id -> how many consul-rdzv service instances carrying its tag are passing,
+        warning and critical (the worst of each instance's checks), in one request."""
+        res, _ = self.client.read_with_headers(
+            "/v1/health/state/any", params={"filter": f'"{RDZV_TAG}" in ServiceTags'})
         status_of: dict[tuple[str, str], str] = {}  # (Consul node, service id) -> worst
         runs: dict[tuple[str, str], str] = {}
         for check in res.data or []:
@@ -237,10 +244,10 @@ class Reader:
             status_of[key] = worst([status_of.get(key, "passing"),
                                     check.get("Status", "critical")])
             runs[key] = run
-        counts: dict[str, int] = {}
+        counts: dict[str, dict[str, int]] = {}
         for key, status in status_of.items():
-            if status == "passing":
-                counts[runs[key]] = counts.get(runs[key], 0) + 1
+            per_run = counts.setdefault(runs[key], dict.fromkeys(_STATUS_ORDER, 0))
+            per_run[status] += 1
         return counts
 
 
