@@ -16,6 +16,7 @@ from consul_rdzv import history
 from consul_rdzv.client import MAX_TXN_OPS, txn_kv
 from consul_rdzv.errors import RendezvousClosedError
 from consul_rdzv.layout import HISTORY_ROUNDS, History, Member, Round, RunState, history_value
+from consul_rdzv.planning import MAX_TXN_BYTES
 
 CLI = [sys.executable, "-m", "consul_rdzv.cli"]
 
@@ -243,3 +244,51 @@ def test_gc_archives_the_history_of_a_run_whose_nodes_all_died(nodes):
     assert entries and all(e.session for e in entries), [(e.key, e.session) for e in entries]
     assert nodes.admin.session_info(entries[0].session)["TTL"] == "86400s"
     assert history_json(nodes)["state"] == "ended"
+
+
+def test_a_seal_at_the_transaction_limit_gives_up_the_history_not_the_round(nodes):
+    """Long node ids fill the seal transaction: the round alone fits Consul's limit, with its
+    history record (which names the gone and joined nodes) it would not. The round is sealed,
+    without the record; the totals still count it."""
+    long_id = "n" * 150
+    gone = [f"gone-{i:02d}-{long_id}" for i in range(16)]
+    job, now = "edge-job", time.time()
+    nodes.admin.kv_put(nodes.keys.round, Round(
+        round=7, ranks=gone, hosts=["h" * 160] * 16, incarnations=["x"] * 16, seal_id="s",
+        job=job, members_index=1, sealed_at=now - 5,
+        totals={"rounds": 7, "restarts": 6, "since": now - 100}).encode())
+
+    def seal_bytes(world: int, with_history: bool) -> int:
+        """The seal transaction's size for ``world`` such members (as join.py builds it)."""
+        names = [f"{i:05d}-{long_id}" for i in range(world - 1)] + ["a"]
+        sealed = Round(round=8, ranks=names, hosts=["h" * 160] * world, incarnations=[""] * world,
+                       store={"host": "127.0.0.1", "port": 65535}, members_index=10 ** 6,
+                       joined_index=10 ** 6, coordinator="a", seal_id="f" * 32,
+                       first_join=now, quorum_at=now, sealed_at=now, min_nodes=world,
+                       max_nodes=world, job=job, totals={"rounds": 8, "restarts": 7})
+        ops = [txn_kv("check-session", nodes.keys.leader, session="s" * 36),
+               txn_kv("cas", nodes.keys.round, value=sealed.encode(), index=10 ** 6)]
+        if with_history:
+            end = {"round": 7, "gone": gone, "joined": names[:16], "first": None,
+                   "replaced": [], "drained": [], "cause": "gone", "ended_at": now,
+                   "trained": 5.0, "lost": 1.0, "sealed_at": now, "counts": {}}
+            ops += history.seal_ops(nodes.keys, sealed, end, txn_kv)
+        return len(json.dumps(ops))
+
+    # a margin on both sides: the estimate is not the coordinator's very transaction
+    world = next(w for w in range(800, 1400) if seal_bytes(w, True) > MAX_TXN_BYTES + 1500)
+    assert seal_bytes(world, False) < MAX_TXN_BYTES - 1500, "no room between the two sizes"
+    members = [Member(node=f"{i:05d}-{long_id}", host="h" * 160, pid=1)
+               for i in range(world - 1)]
+    ops = [txn_kv("set", nodes.keys.member(m.node), value=m.encode()) for m in members]
+    for start in range(0, len(ops), MAX_TXN_OPS):
+        nodes.admin.txn(ops[start:start + MAX_TXN_OPS])
+    a = nodes.node("a", nodes.settings(min_nodes=world, max_nodes=world))
+    result = nodes.rounds([a], 60)["a"]
+    assert result.round == 8 and result.world_size == world
+    kept = nodes.admin.kv_keys(nodes.keys.job(job))
+    assert nodes.keys.history_round(job, 8) not in kept, "the record was expected to give way"
+    totals = History.parse(nodes.keys, nodes.admin.kv_list(nodes.keys.history).data)[0].totals
+    assert totals["rounds"] == 8 and totals["restarts"] == 7
+    a.leave(timeout=10)
+    nodes.admin.kv_delete(nodes.keys.prefix + "/", recurse=True)
