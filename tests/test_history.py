@@ -292,3 +292,44 @@ def test_a_seal_at_the_transaction_limit_gives_up_the_history_not_the_round(node
     assert totals["rounds"] == 8 and totals["restarts"] == 7
     a.leave(timeout=10)
     nodes.admin.kv_delete(nodes.keys.prefix + "/", recurse=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_torchrun_job_with_a_flapping_node_stops_instead_of_burning_its_restarts(
+        agent, prefix, run_id, tmp_path):
+    """Real torchrun agents: node-b is SIGKILLed each time it has joined the training (three
+    times). With storm_rounds=3 the run is closed at the third failure: node-a's agent stops
+    with the restart-storm error naming node-b, long before its 20 restarts are used up."""
+    from torchrun_jobs import TorchrunJob
+
+    conf = {"key_prefix": prefix, "heartbeat_timeout": 2, "last_call_timeout": 1,
+            "join_timeout": 60, "storm_rounds": 3, "storm_window": 300, "storm_min_round": 60}
+    with TorchrunJob(tmp_path, agent.address, run_id, nnodes="1:2", max_restarts=20,
+                     rdzv_conf=conf,
+                     train_args=["--steps", "100000", "--step-time", "0.05"]) as job:
+        stable = job.start("node-a")
+        for kill in range(3):
+            flapper = job.start("node-b")
+            job.wait_for(lambda f=flapper: any(e["event"] == "start" and e["world_size"] == 2
+                                               and e["agent_pid"] == f.pid
+                                               for e in job.progress()),
+                         150, f"node-b training with node-a (time {kill + 1})")
+            flapper.kill()
+        codes = job.wait(120, [stable])
+        log = stable.log()
+        assert codes["node-a"] not in (None, 0), job.report()
+        assert "restart storm" in log and "node-b (3x)" in log, job.report()
+        restarts = log.count("will restart worker group")
+        assert restarts < 20, job.report()
+        doc = history_json_of(prefix, run_id)
+        assert doc["state"] in ("closed", "ended") and "restart storm" in doc["totals"]["storm"]
+        figure(f"a torchrun job with a node killed 3 times stopped with the restart-storm error "
+               f"after {doc['totals']['rounds']} rounds, {restarts} worker restarts of 20 used")
+
+
+def history_json_of(prefix: str, run_id: str) -> dict:
+    proc = subprocess.run([*CLI, "--key-prefix", prefix, "history", run_id, "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
