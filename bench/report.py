@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from collections import defaultdict
@@ -516,6 +517,28 @@ def single_run_extras(path: Path) -> list[str]:
         out += ["### Requests per node counted by Consul (`consul_api_http_count`): fixed, one "
                 "round from handler creation", ""]
         out += counted_table([(_label(rs), rs)], topology=None)
+    out += round_sections([(_label(rs), rs)])
+    return out
+
+
+def round_sections(sets: list[tuple[str, RunSet]]) -> list[str]:
+    """The round's timeline and what it cost the agent (fixed scenario)."""
+    out: list[str] = []
+    tl = timeline_table(sets)
+    if tl:
+        out += ["### The round's timeline: each node's moments, ms from the release (fixed)", "",
+                "`entry`: `next_rendezvous()` called; `announced`: its member write answered; "
+                "`sealed`: the coordinator sealed the round; `seen`: the node saw the sealed "
+                "round (older versions: `next_round()` returned); `connected`: its TCPStore "
+                "client reached rank 0's store (rank 0: its store started); `met`: every member "
+                "checked in; `returned`: `next_rendezvous()` returned. Medians over the runs of "
+                "the node median and of the last node.", "", *tl]
+    agent = agent_table(sets)
+    if agent:
+        out += ["### What the round cost the agent, per node (the agent's own metrics, from "
+                "the release until every node returned; fixed; on a cluster the servers' "
+                "series summed: every server applies every entry, the leader alone counts "
+                "`raft applies`)", "", *agent]
     return out
 
 
@@ -702,6 +725,143 @@ def b2b_table(sets: list[tuple[str, RunSet]], topology: str | None = "single") -
     return [*lines, ""]
 
 
+# ------------------------------------------------------------------------------ round timeline
+
+#: The segments of a round between two moments of :data:`bench.run.TIMELINE`, as the table
+#: names them.
+SEGMENTS = (("entry", "announced", "member write"), ("announced", "sealed", "wait for the seal"),
+            ("sealed", "seen", "seal seen"), ("seen", "connected", "store reached"),
+            ("connected", "met", "meeting"), ("met", "returned", "hand-over"))
+#: One letter per moment in the text plot.
+MARKS = {"entry": "e", "announced": "a", "sealed": "S", "seen": "v", "connected": "c",
+         "met": "m", "returned": "R"}
+
+
+def _moments(r: dict) -> dict[str, list[float]]:
+    """Every node's moments of one run (ms from the release), by moment."""
+    tl = r.get("timeline") or {}
+    events = tl.get("events") or []
+    out: dict[str, list[float]] = {e: [] for e in events}
+    for row in tl.get("nodes") or []:
+        for e, v in zip(events, row[1:], strict=False):
+            if v is not None:
+                out[e].append(v)
+    return out
+
+
+def _q(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def timeline_table(sets: list[tuple[str, RunSet]], topology: str | None = None) -> list[str]:
+    """Per N and version: each moment of the round (ms from the release; the node median and
+    the last node, medians over the runs), then where the last node's milliseconds went."""
+    lines = ["| N | version | runs | " + " | ".join(
+        f"{e} p50 / last" for e in MARKS) + " |", "|---|---|---|" + "---|" * len(MARKS)]
+    seg_lines = ["| N | version | " + " | ".join(
+        f"{name} ({a} \u2192 {b})" for a, b, name in SEGMENTS) + " |",
+        "|---|---|" + "---|" * len(SEGMENTS)]
+    sizes = sorted({n for _, s in sets for n in s.sizes("fixed", topology=topology)})
+    for n in sizes:
+        for label, s in sets:
+            runs = [r for r in s.select("fixed", n, topology=topology)
+                    if not _failed(r) and r.get("timeline")]
+            if not runs:
+                continue
+            per = [_moments(r) for r in runs]
+            cells, last = [], {}
+            for e in MARKS:
+                p50 = _med([_q(m.get(e, []), 0.5) for m in per])
+                mx = _med([max(m[e]) if m.get(e) else None for m in per])
+                last[e] = mx
+                cells.append("" if p50 is None else f"{p50:.0f} / {mx:.0f}")
+            lines.append(f"| {n} | {label} | {len(runs)} | " + " | ".join(cells) + " |")
+            segs = []
+            for a, b, _ in SEGMENTS:
+                segs.append("" if last.get(a) is None or last.get(b) is None
+                            else f"{last[b] - last[a]:.0f}")
+            seg_lines.append(f"| {n} | {label} | " + " | ".join(segs) + " |")
+    if len(lines) == 2:
+        return []
+    return [*lines, "", "Where the last node's milliseconds went (differences of the \"last\" "
+            "moments above; ms):", "", *seg_lines, "", *timeline_plot(sets, topology), ""]
+
+
+def timeline_plot(sets: list[tuple[str, RunSet]], topology: str | None = None,
+                  width: int = 72) -> list[str]:
+    """A text plot of each N's first run per version: one line per moment, ``-`` from the first
+    node's to the last node's, ``|`` at the nodes' median, on a scale shared by one N's lines."""
+    out = []
+    sizes = sorted({n for _, s in sets for n in s.sizes("fixed", topology=topology)})
+    for n in sizes:
+        rows = []
+        for label, s in sets:
+            runs = [r for r in s.select("fixed", n, topology=topology)
+                    if not _failed(r) and r.get("timeline")]
+            if runs:
+                rows.append((label, _moments(runs[0])))
+        if not rows:
+            continue
+        end = max((max(v) for _, m in rows for v in m.values() if v), default=0.0) or 1.0
+        out.append(f"N = {n} (0 to {end:.0f} ms, the release at 0)")
+        for label, m in rows:
+            for e, mark in MARKS.items():
+                vals = m.get(e) or []
+                if not vals:
+                    continue
+                line = [" "] * (width + 1)
+                lo, hi = (round(min(vals) / end * width), round(max(vals) / end * width))
+                for i in range(max(0, lo), min(width, hi) + 1):
+                    line[i] = "-"
+                mid = round((_q(vals, 0.5) or 0.0) / end * width)
+                line[max(0, min(width, mid))] = "|"
+                out.append(f"  {label[:14]:<14} {mark} {e:<9} {''.join(line).rstrip()}")
+        out.append("")
+    return ["```", *out, "```"] if out else []
+
+
+#: The agent's own series a round moved, per node (:data:`bench.servers.AGENT_SERIES`).
+AGENT_COLUMNS = (("consul_raft_apply", "raft applies", 1.0, "{:.2f}"),
+                 ("consul_fsm_txn_count", "txn applies", 1.0, "{:.2f}"),
+                 ("consul_fsm_kvs_count", "KV applies", 1.0, "{:.2f}"),
+                 ("consul_fsm_register_count", "catalog registers", 1.0, "{:.2f}"),
+                 ("consul_rpc_query", "blocking RPC queries", 1.0, "{:.2f}"),
+                 ("process_cpu_seconds_total", "agent CPU ms", 1000.0, "{:.2f}"),
+                 ("go_memstats_alloc_bytes_total", "agent allocated kB", 1 / 1024, "{:.0f}"))
+
+
+def agent_table(sets: list[tuple[str, RunSet]], topology: str | None = None,
+                key: str = "agent_round") -> list[str]:
+    """What the round cost the agent (its own metrics), per node: medians over the runs; then
+    the HTTP bytes the nodes sent and received, per node."""
+    lines = ["| N | version | runs | Consul requests (besides check passes) | " + " | ".join(
+        c[1] for c in AGENT_COLUMNS) + " | HTTP bytes sent / received |",
+        "|---|---|---|---|" + "---|" * len(AGENT_COLUMNS) + "---|"]
+    sizes = sorted({n for _, s in sets for n in s.sizes("fixed", topology=topology)})
+    for n in sizes:
+        for label, s in sets:
+            runs = [r for r in s.select("fixed", n, topology=topology)
+                    if not _failed(r) and isinstance(r.get(key), dict)]
+            if not runs:
+                continue
+            cells = []
+            for series, _, scale, fmt in AGENT_COLUMNS:
+                v = _med([(r[key].get("servers") or {}).get(series, 0.0) / n for r in runs])
+                cells.append(_num(None if v is None else v * scale, fmt))
+            reqs = _counted(runs, "consul_requests_round_only", "rest_per_node")
+            sent = _med([sum(v[1] for v in (r.get("consul_http_bytes") or {}).values()) / n
+                         for r in runs if r.get("consul_http_bytes")])
+            got = _med([sum(v[2] for v in (r.get("consul_http_bytes") or {}).values()) / n
+                        for r in runs if r.get("consul_http_bytes")])
+            http = "" if sent is None or got is None else f"{sent:.0f} / {got:.0f}"
+            lines.append(f"| {n} | {label} | {len(runs)} | {_num(reqs, '{:.2f}')} | "
+                         + " | ".join(cells) + f" | {http} |")
+    return [*lines, ""] if len(lines) > 2 else []
+
+
 # ------------------------------------------------------------------------------ two products
 
 
@@ -738,6 +898,7 @@ def render_comparison(a_paths: list[Path], b_paths: list[Path]) -> str:
     if any(isinstance(r.get("consul_requests"), dict) for r in a.runs + b.runs):
         out += ["### Requests per node counted by Consul: fixed, one round from handler "
                 "creation", "", *counted_table(sets, topology=None)]
+    out += round_sections(sets)
     if a.select("backtoback", topology=None) or b.select("backtoback", topology=None):
         out += ["### backtoback: each round's time from the last node's entry \u00b7 "
                 "Consul-counted requests per node besides check passes", "",

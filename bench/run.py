@@ -219,6 +219,28 @@ def _stats(values: list[float]) -> dict | None:
             "p90": _nearest_rank(values, 0.9), "n": len(values)}
 
 
+#: A round's moments per node, in order (bench/timeline.py): the node enters
+#: ``next_rendezvous()``, its member write is answered, the coordinator seals (the same moment
+#: for every node), the node sees the sealed round (its ``next_round()``'s wait returns; older
+#: versions: ``released``, when ``next_round()`` returns), its TCPStore client reached rank 0's
+#: store, every member has checked in (the meeting is done), ``next_rendezvous()`` returns.
+TIMELINE = ("entry", "announced", "sealed", "seen", "connected", "met", "returned")
+
+
+def timeline(recs: list[dict], wall0: float) -> dict:
+    """The round's moments of every node (ms from ``wall0``, the release), by rank."""
+    rows = []
+    for r in sorted(recs, key=lambda r: r.get("rank", 0)):
+        t = r.get("timings") or {}
+        moments = {"entry": r.get("wall_start"), "announced": t.get("announced"),
+                   "sealed": t.get("sealed"), "seen": t.get("seen") or t.get("released"),
+                   "connected": t.get("store_connected"), "met": t.get("met"),
+                   "returned": r.get("wall_end")}
+        rows.append([r.get("rank")] + [round((moments[k] - wall0) * 1000, 2)
+                                       if moments[k] else None for k in TIMELINE])
+    return {"events": list(TIMELINE), "nodes": rows}
+
+
 # --------------------------------------------------------------------------- one run
 
 class Run:
@@ -236,6 +258,7 @@ class Run:
         self.workers: list[tuple] = []  # (process, conn, node indices)
         self.results: dict[int, dict[int, dict]] = defaultdict(dict)
         self.counts: list[tuple] = []  # Consul's request counts, read in turn
+        self.series: dict[str, dict] = {}  # the agents' own series, by the label of the read
         self.probe = None  # an AgentProbe on the (first) agent while the run lasts
         self.thread_cpu: dict[str, float] = {}
         self.detects: dict[int, float] = {}
@@ -245,6 +268,7 @@ class Run:
         self.ready: dict[int, dict] = {}
         self.cpus: dict[int, float] = {}
         self.http: dict[str, list[float]] = {}
+        self.http_bytes: dict[str, list[int]] = {}  # [requests, sent, received] by category
         self.server = None
         self.log_path = RESULTS / "logs" / f"{self.run_id}.log"
 
@@ -327,6 +351,10 @@ class Run:
                     self.thread_cpu[group] = self.thread_cpu.get(group, 0.0) + sec
                 for cat, times in (msg.get("http") or {}).items():
                     self.http.setdefault(cat, []).extend(times)
+                for cat, sizes in (msg.get("http_bytes") or {}).items():
+                    total = self.http_bytes.setdefault(cat, [0, 0, 0])
+                    for i, v in enumerate(sizes):
+                        total[i] += v
             elif kind == "killed":
                 self.killed_at = msg["t"]
             elif kind == "fatal":
@@ -345,11 +373,28 @@ class Run:
             return
         probe_sent = self.probe.sent if self.probe else 0
         try:
-            counts = self.server.http_counts()
+            if hasattr(self.server, "snapshot"):
+                counts, series = self.server.snapshot()
+                self.series[label] = series
+            else:
+                counts = self.server.http_counts()
         except Exception as exc:  # recorded, never fatal
             self.counts.append((label, _now(), {"error": f"{type(exc).__name__}: {exc}"}, 0))
             return
         self.counts.append((label, _now(), counts, probe_sent))
+
+    def agent_cost(self, first: str, last: str, nodes: int) -> dict | None:
+        """What the agents' own series moved between two reads (:data:`bench.servers.
+        AGENT_SERIES`), per kind of agent (``servers``; ``clients`` on a cluster): totals, and
+        per node."""
+        a, b = self.series.get(first), self.series.get(last)
+        if not a or not b:
+            return None
+        out: dict = {"from": first, "to": last, "nodes": nodes}
+        for kind in b:
+            diff = {k: b[kind][k] - a.get(kind, {}).get(k, 0.0) for k in b[kind]}
+            out[kind] = {k: round(v, 6) for k, v in diff.items() if v}
+        return out
 
     def counted(self, first: str, last: str, nodes: int) -> dict | None:
         """Requests Consul served between two reads, per node, TTL check passes apart (the
@@ -551,6 +596,7 @@ class Run:
             if starts:
                 rec[f"{prefix}last_join_started_s"] = max(starts) - wall0
             rec[f"{prefix}coordinator"] = ok[0].get("coordinator")
+            rec[f"{prefix}timeline"] = timeline(ok, wall0)
         rec[f"{prefix}nodes"] = {
             "idx": [r["idx"] for r in recs],
             "latency": [round(r["t_end"] - t0, 4) for r in recs],
@@ -592,6 +638,9 @@ class Run:
                       "max_ms": 1000 * max(v)}
                 for cat, v in sorted(self.http.items())}
             self.http = {}
+        if self.http_bytes:
+            rec[f"{prefix}consul_http_bytes"] = dict(sorted(self.http_bytes.items()))
+            self.http_bytes = {}
 
     def _train(self, rec: dict) -> None:
         if not self.opts.train_seconds:
@@ -640,6 +689,7 @@ class Run:
         t0 = self._release()
         done = self._pump(lambda: len(self.results[1]) == self.n, t0 + self.opts.timeout)
         t_done = _now()
+        self.count_requests("done")
         self.probe_window(rec, "agent_probe", t0, t_done)
         self._phase_summary(rec, 1, t0, "", expect_world=self.n)
         rec["latency_s"] = rec["latency_s"] if done else None
@@ -657,6 +707,12 @@ class Run:
         if self.backend == "consul":
             rec["consul_requests_registration"] = self.counted("start", "release", self.n)
             rec["consul_requests_round"] = self.counted("release", "end", self.n)
+            # the round alone (release until every node returned), and what followed it (the
+            # deferred meta publishes, the watches' first queries)
+            rec["consul_requests_round_only"] = self.counted("release", "done", self.n)
+            rec["agent_registration"] = self.agent_cost("start", "release", self.n)
+            rec["agent_round"] = self.agent_cost("release", "done", self.n)
+            rec["agent_after_round"] = self.agent_cost("done", "end", self.n)
 
     def _scenario_backtoback(self, rec: dict, names: dict) -> None:
         """Round 1 as in fixed; then every node re-rendezvouses, entering ``stagger`` apart,
@@ -719,6 +775,7 @@ class Run:
             for info, (a, b) in zip([{"phase": 1}, *rounds], itertools.pairwise(labels),
                                     strict=False):
                 info["consul_requests"] = self.counted(a, b, n)
+                info["agent"] = self.agent_cost(a, b, n)
             rec["r1_consul_requests"] = self.counted("release", "round2", n)
             rec["consul_requests_registration"] = self.counted("start", "release", n)
             rec["b2b_consul_requests"] = self.counted("round2", "end", n)

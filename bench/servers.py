@@ -40,16 +40,35 @@ PROMETHEUS_LINE = "prometheus_retention_time"
 CHECK_PASS_PATH = "v1_agent_check_pass_"
 
 
-def agent_http_counts(url: str, token: str | None = None) -> dict[str, list[float]]:
-    """Consul's own count of the HTTP requests it served and the time it spent on them, by
-    ``METHOD path``: ``[count, sum of ms]`` from the ``consul_api_http_count`` and
-    ``consul_api_http_sum`` series of ``/v1/agent/metrics?format=prometheus`` (the agent's own
-    view, from accepting a request to writing its answer), without the metrics requests."""
+#: What the agent's own metrics say a round cost it (cumulative series of
+#: ``/v1/agent/metrics?format=prometheus``, summed over their labels): Raft applies and commit
+#: time, the state machine's applies by kind, the server RPCs, the process's CPU and the bytes
+#: Go allocated. Gauges (``consul_raft_last_index``) are differenced the same way.
+AGENT_SERIES = (
+    "consul_raft_apply", "consul_raft_commitTime_count", "consul_raft_commitTime_sum",
+    "consul_raft_fsm_apply_count", "consul_raft_fsm_apply_sum", "consul_raft_last_index",
+    "consul_fsm_kvs_count", "consul_fsm_kvs_sum", "consul_fsm_txn_count", "consul_fsm_txn_sum",
+    "consul_fsm_session_count", "consul_fsm_session_sum", "consul_fsm_register_count",
+    "consul_fsm_register_sum", "consul_fsm_deregister_count", "consul_fsm_tombstone_count",
+    "consul_kvs_apply_count", "consul_kvs_apply_sum", "consul_txn_apply_count",
+    "consul_txn_apply_sum", "consul_txn_read_count", "consul_session_apply_count",
+    "consul_session_apply_sum", "consul_session_renew_count", "consul_catalog_register_count",
+    "consul_catalog_register_sum", "consul_catalog_deregister_count", "consul_rpc_request",
+    "consul_rpc_query", "consul_rpc_consistentRead_count", "process_cpu_seconds_total",
+    "go_memstats_alloc_bytes_total",
+)
+
+
+def _prometheus(url: str, token: str | None = None) -> str:
     req = urllib.request.Request(f"{url}/v1/agent/metrics?format=prometheus")
     if token:
         req.add_header("X-Consul-Token", token)
     with urllib.request.urlopen(req, timeout=30) as resp:
-        text = resp.read().decode()
+        return resp.read().decode()
+
+
+def parse_http_counts(text: str) -> dict[str, list[float]]:
+    """``[count, sum of ms]`` by ``METHOD path`` (see :func:`agent_http_counts`)."""
     stats: dict[str, list[float]] = {}
     for line in text.splitlines():
         for series, slot in (("consul_api_http_count{", 0), ("consul_api_http_sum{", 1)):
@@ -64,6 +83,38 @@ def agent_http_counts(url: str, token: str | None = None) -> dict[str, list[floa
             entry = stats.setdefault(f"{method} {path}", [0, 0.0])
             entry[slot] += float(value)
     return stats
+
+
+def parse_agent_series(text: str) -> dict[str, float]:
+    """The :data:`AGENT_SERIES` of one agent's Prometheus text, each summed over its labels."""
+    wanted = set(AGENT_SERIES)
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name not in wanted:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        found[name] = found.get(name, 0.0) + value
+    return found
+
+
+def agent_http_counts(url: str, token: str | None = None) -> dict[str, list[float]]:
+    """Consul's own count of the HTTP requests it served and the time it spent on them, by
+    ``METHOD path``: ``[count, sum of ms]`` from the ``consul_api_http_count`` and
+    ``consul_api_http_sum`` series of ``/v1/agent/metrics?format=prometheus`` (the agent's own
+    view, from accepting a request to writing its answer), without the metrics requests."""
+    return parse_http_counts(_prometheus(url, token))
+
+
+def agent_snapshot(url: str, token: str | None = None) -> tuple[dict, dict]:
+    """One read of an agent's metrics: (HTTP counts, :data:`AGENT_SERIES`)."""
+    text = _prometheus(url, token)
+    return parse_http_counts(text), parse_agent_series(text)
 
 
 class AgentProbe(threading.Thread):
@@ -238,6 +289,12 @@ class ConsulServer:
         """Consul's own request counts (see :func:`agent_http_counts`)."""
         return agent_http_counts(self.agent.url)
 
+    def snapshot(self) -> tuple[dict, dict]:
+        """Request counts and the agent's own series (:func:`agent_snapshot`): the one agent
+        is the server too."""
+        http, series = agent_snapshot(self.agent.url)
+        return http, {"servers": series}
+
     def probe(self) -> AgentProbe:
         return AgentProbe(self.agent.url)
 
@@ -306,6 +363,25 @@ class ClusterServer:
                 entry[0] += count
                 entry[1] += ms
         return total
+
+    def snapshot(self) -> tuple[dict, dict]:
+        """Request counts summed over the nodes' agents (the client agents), and the agent
+        series summed over the servers and over the client agents apart."""
+        total: dict[str, list[float]] = {}
+        series: dict[str, dict[str, float]] = {"servers": {}, "clients": {}}
+        nodes_agents = self.cluster.clients or self.cluster.servers
+        for m in self.cluster.members:
+            http, found = agent_snapshot(m.url, m.management_token)
+            kind = "servers" if m in self.cluster.servers else "clients"
+            for key, value in found.items():
+                series[kind][key] = series[kind].get(key, 0.0) + value
+            if m not in nodes_agents:
+                continue
+            for key, (count, ms) in http.items():
+                entry = total.setdefault(key, [0, 0.0])
+                entry[0] += count
+                entry[1] += ms
+        return total, series
 
     def probe(self) -> AgentProbe:
         """On the first client agent (the one of the first worker process)."""

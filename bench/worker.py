@@ -39,6 +39,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import json
 import logging
 import os
 import queue
@@ -80,6 +81,8 @@ _lock = threading.Lock()
 _tls = threading.local()
 WIRE = Counter()  # HTTP requests of this process, by method
 HTTP_TIMES: dict[str, list[float]] = {}  # consul: seconds per request, by endpoint category
+#: consul: [requests, bytes sent, bytes received] (HTTP bodies) by endpoint category
+HTTP_BYTES: dict[str, list[int]] = {}
 
 
 def _consul_category(method: str, path: str, params: dict | None) -> str:
@@ -192,12 +195,22 @@ def install_hooks() -> None:
 
     def _request(self, method, path, **kwargs):
         t = time.monotonic()
+        got = 0
         try:
-            return original_request(self, method, path, **kwargs)
+            resp = original_request(self, method, path, **kwargs)
+            got = len(getattr(resp, "content", b"") or b"")
+            return resp
         finally:
             cat = _consul_category(method, path, kwargs.get("params"))
+            body = kwargs.get("raw")
+            if body is None and kwargs.get("body") is not None:
+                body = json.dumps(kwargs["body"]).encode()
             with _lock:
                 HTTP_TIMES.setdefault(cat, []).append(time.monotonic() - t)
+                sizes = HTTP_BYTES.setdefault(cat, [0, 0, 0])
+                sizes[0] += 1
+                sizes[1] += len(body or b"")
+                sizes[2] += got
 
     ConsulClient._request = _request
 
@@ -217,6 +230,19 @@ def install_hooks() -> None:
                 HTTP_TIMES.setdefault(cat, []).append(time.monotonic() - t)
 
     consul_torch.TCPStore = timed_tcpstore
+
+    # Versions whose RoundResult has no "announced" timing (--compare against an older one):
+    # the moment the member write returned, on the node's own thread.
+    from consul_rdzv import join as consul_join
+
+    writer = getattr(getattr(consul_join, "Join", None), "_write_member", None)
+    if writer is not None:
+        def _write_member(self, *args, **kwargs):
+            out = writer(self, *args, **kwargs)
+            _tls.announced = time.time()
+            return out
+
+        consul_join.Join._write_member = _write_member
 
 
 class Node:
@@ -303,13 +329,15 @@ class Node:
 def _round(node: Node, phase: int, out) -> None:
     before = node.counts()
     node.bootstrap_ops = 0
+    _tls.announced = None
     t0 = time.monotonic()
     rec = {"type": "result", "idx": node.idx, "phase": phase, "pid": os.getpid(),
-           "t_start": t0, "cause": node.rejoin_cause, "rejoin_at": node.rejoin_at,
-           "detected_at": node.detected_at}
+           "t_start": t0, "wall_start": time.time(), "cause": node.rejoin_cause,
+           "rejoin_at": node.rejoin_at, "detected_at": node.detected_at}
     try:
         info = node.handler.next_rendezvous()
         t1 = time.monotonic()
+        rec["wall_end"] = time.time()
         node.infos.append(info)  # keep the stores alive
         ops = node.counts() - before
         rec.update(ok=True, t_end=t1, rank=int(info.rank), world=int(info.world_size),
@@ -325,7 +353,10 @@ def _round(node: Node, phase: int, out) -> None:
                        coordinator=res.coordinator, sealed_wall=res.timings.get("sealed"),
                        first_join_wall=res.timings.get("first_join"),
                        released_wall=res.timings.get("released"),
-                       join_started_wall=res.timings.get("join_started"))
+                       join_started_wall=res.timings.get("join_started"),
+                       timings={k: v for k, v in res.timings.items() if v})
+            if _tls.announced and "announced" not in rec["timings"]:
+                rec["timings"]["announced"] = _tls.announced
     except BaseException as exc:
         rec.update(ok=False, t_end=time.monotonic(),
                    error=f"{type(exc).__name__}: {exc}"[:600])
@@ -506,6 +537,7 @@ def main(spec: dict, conn, go_mp, out) -> None:
         go_mp.wait()
         with _lock:
             HTTP_TIMES.clear()  # latencies of the round only, not of handler creation
+            HTTP_BYTES.clear()
         go.set()
 
     threading.Thread(target=relay, daemon=True, name="go-relay").start()
@@ -591,5 +623,7 @@ def _serve(nodes: list[Node], conn, out, log) -> None:
             with _lock:
                 times = {k: list(v) for k, v in HTTP_TIMES.items()}
                 HTTP_TIMES.clear()
+                sizes = {k: list(v) for k, v in HTTP_BYTES.items()}
+                HTTP_BYTES.clear()
             out.put({"type": "cpu", "pid": os.getpid(), "cpu": _cpu(), "http": times,
-                     "threads": _thread_cpu()})
+                     "http_bytes": sizes, "threads": _thread_cpu()})

@@ -71,6 +71,11 @@ class RoundResult:
     round_index: int = 0  # the round key's ModifyIndex as sealed
     min_nodes: int = 0  # the round's, as its coordinator sealed it
     max_nodes: int = 0
+    #: Wall-clock moments of the round (``time.time()``): ``first_join``, ``quorum`` and
+    #: ``sealed`` are the coordinator's (from the round value); ``join_started``,
+    #: ``announced`` (the member write answered), ``seen`` (this node saw the sealed round)
+    #: and ``released`` (``next_round()`` returns) this node's; the torch adapter adds its
+    #: meeting's (``store_connected``, ``met``).
     timings: dict[str, float] = field(default_factory=dict)
     requests: int = 0
 
@@ -114,6 +119,8 @@ class Join:
         self.deadline = deadline
         #: Nodes of the job that closed the run, still alive (for the error message).
         self.closed_alive: list[str] = []
+        #: When our member write was answered (wall clock; RoundResult.timings).
+        self.announced_at = 0.0
 
     def op_deadline(self, deadline: float | None = None) -> float:
         """The hard deadline of one Consul call: the caller's (the join deadline), or
@@ -232,6 +239,7 @@ class Join:
         deadline = self.deadline
         self.closed_alive = []
         my_index, state = self._write_member(deadline)
+        self.announced_at = time.time()
         while state.round and state.round.closed:
             self._reopen(state.round, deadline)
             # Read the round again, without announcing again: a second write of our key would
@@ -363,7 +371,8 @@ class Join:
             min_nodes=current.min_nodes,
             max_nodes=current.max_nodes,
             timings={"first_join": current.first_join, "quorum": current.quorum_at,
-                     "sealed": current.sealed_at},
+                     "sealed": current.sealed_at, "announced": self.announced_at,
+                     "seen": time.time()},
         )
 
     def _closed_error(self, current: Round) -> RendezvousClosedError:

@@ -90,8 +90,10 @@ LEAVE_AT_EXIT = 3.0
 #: The prefix of a round's keys in its trainer store: ``torchelastic/<run_id>/<round>`` (whatever
 #: the key_prefix setting, which names the Consul KV prefix).
 STORE_PREFIX = DEFAULT_KEY_PREFIX
-#: Keys of the check-in under the round's store prefix.
+#: Keys of the check-in under the round's store prefix: ``<CHECKIN>/<rank>`` per member (its
+#: node id), and ``CHECKIN_DONE``, set by rank 0 once every member's key is there.
 CHECKIN = "consul-rdzv/checkin"
+CHECKIN_DONE = f"{CHECKIN}/done"
 
 _ERRORS: tuple[tuple[type[Exception], type[Exception]], ...] = (
     (errors.RendezvousClosedError, torch_api.RendezvousClosedError),
@@ -343,11 +345,19 @@ class ConsulRendezvousHandler(RendezvousHandler):
             self._release_reservation()
             tcp = None
         box: dict = {}
+        node_id = self._rdzv.node_id
+        rank, world = result.rank, result.world_size
 
         def meet() -> Store:
             """In one helper thread: reach rank 0's store (one attempt with the whole budget:
             a connection burst against rank 0 can take seconds, slow reverse DNS on its side,
-            a full backlog), check in, wait until every member has."""
+            a full backlog), check in, wait until every member has.
+
+            One round trip besides the connect: a member's check-in is a ``set`` of its own
+            key, which the store does not answer, then one event-driven ``wait``. Rank 0 (the
+            store's host) waits for every member's key and then sets ``done``; the others
+            wait for ``done``. This connection is the store handed to torch: nobody connects
+            twice."""
             client = tcp
             if client is None:
                 try:
@@ -356,14 +366,18 @@ class ConsulRendezvousHandler(RendezvousHandler):
                 except (RuntimeError, OSError) as exc:
                     raise _StoreUnreachable(exc) from exc
                 client.set_timeout(timeout)
+            result.timings["store_connected"] = time.time()
             store = box["store"] = PrefixStore(
                 f"{STORE_PREFIX}/{result.run_id}/{result.round}", client)
-            if result.world_size > 1:
-                done = f"{CHECKIN}/done"
-                store.set(f"{CHECKIN}/{result.rank}", self._rdzv.node_id)
-                if store.add(CHECKIN, 1) == result.world_size:
-                    store.set(done, "1")
-                store.wait([done], _seconds(until))
+            if world > 1:
+                store.set(f"{CHECKIN}/{rank}", node_id)
+                if rank == 0:
+                    store.wait([f"{CHECKIN}/{other}" for other in range(1, world)],
+                               _seconds(until))
+                    store.set(CHECKIN_DONE, "1")
+                else:
+                    store.wait([CHECKIN_DONE], _seconds(until))
+            result.timings["met"] = time.time()
             return store
 
         try:
