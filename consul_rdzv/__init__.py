@@ -24,6 +24,7 @@ from .errors import (
 )
 from .rendezvous import ConsulRendezvous, RoundResult
 from .settings import RendezvousSettings, settings_from_conf
+from .worker import current_round, epoch, still_current
 
 __version__ = "0.1.0"
 
@@ -50,5 +51,8 @@ __all__ = [
     "RendezvousTimeoutError",
     "RoundResult",
     "__version__",
+    "current_round",
+    "epoch",
     "settings_from_conf",
+    "still_current",
 ]

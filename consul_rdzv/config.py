@@ -13,6 +13,10 @@ An explicit argument always wins over the environment; the environment wins over
 | ``CONSUL_CLIENT_CERT`` / ``CONSUL_CLIENT_KEY`` | client certificate and key (mTLS) |
 | ``CONSUL_TLS_SERVER_NAME`` | name to expect in the server certificate (and send as SNI) |
 | ``CONSUL_DATACENTER`` | datacenter to address (the agent's own when unset) |
+
+The torch adapter hands each round to its workers in ``CONSUL_RDZV_*`` variables (set in the
+agent's environment before torchrun starts the workers, which inherit it): :func:`round_env`
+writes them, :class:`WorkerRound` reads them back (``consul_rdzv.worker``).
 """
 
 from __future__ import annotations
@@ -225,3 +229,69 @@ class ConsulConfig:
             client_cert=pair,
             tls_server_name=server_name,
         )
+
+
+# ----------------------------------------------------------------------------- a worker's round
+
+@dataclass(frozen=True)
+class WorkerRound:
+    """The round a worker process belongs to, as its torchrun agent joined it."""
+
+    run_id: str
+    prefix: str  # P = <key_prefix>/<run_id>
+    node_id: str
+    round: int
+    epoch: int  # the round key's ModifyIndex as sealed: grows with every round of the run
+    seal_id: str
+    config: ConsulConfig
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerRound:
+        """Read the round from ``CONSUL_RDZV_*``; a ConsulConfigError saying what is missing."""
+        env = os.environ if env is None else env
+        missing = [n for n in ("CONSUL_RDZV_PREFIX", "CONSUL_RDZV_EPOCH", "CONSUL_RDZV_SEAL_ID",
+                               "CONSUL_RDZV_ROUND") if not env.get(n)]
+        if missing:
+            raise ConsulConfigError(
+                f"{', '.join(missing)} not set: this process is not a worker started by torchrun "
+                "with --rdzv-backend consul (consul-rdzv's torch adapter sets them for the "
+                "workers of each round)."
+            )
+        try:
+            round_no, epoch = int(env["CONSUL_RDZV_ROUND"]), int(env["CONSUL_RDZV_EPOCH"])
+        except ValueError:
+            raise ConsulConfigError(
+                f"CONSUL_RDZV_ROUND={env['CONSUL_RDZV_ROUND']!r} / CONSUL_RDZV_EPOCH="
+                f"{env['CONSUL_RDZV_EPOCH']!r} are not whole numbers."
+            ) from None
+        verify = env.get("CONSUL_RDZV_VERIFY", "")
+        ca = verify if verify and verify.lower() not in _TRUE | _FALSE else None
+        config = ConsulConfig.resolve(
+            address=env.get("CONSUL_RDZV_ADDR") or None,
+            token_file=env.get("CONSUL_RDZV_TOKEN_FILE") or None,
+            datacenter=env.get("CONSUL_RDZV_DATACENTER") or None,
+            verify=None if ca or not verify else parse_bool("CONSUL_RDZV_VERIFY", verify),
+            ca_file=ca if ca and not os.path.isdir(ca) else None,
+            ca_path=ca if ca and os.path.isdir(ca) else None,
+            client_cert=env.get("CONSUL_RDZV_CLIENT_CERT") or None,
+            client_key=env.get("CONSUL_RDZV_CLIENT_KEY") or None,
+            tls_server_name=env.get("CONSUL_RDZV_TLS_SERVER_NAME") or None,
+            env=env)
+        return cls(run_id=env.get("CONSUL_RDZV_RUN_ID", ""), prefix=env["CONSUL_RDZV_PREFIX"],
+                   node_id=env.get("CONSUL_RDZV_NODE_ID", ""), round=round_no, epoch=epoch,
+                   seal_id=env["CONSUL_RDZV_SEAL_ID"], config=config)
+
+
+def round_env(*, run_id: str, prefix: str, node_id: str, round_no: int, epoch: int,
+              seal_id: str, config: ConsulConfig, token_file: str | None = None) -> dict[str, str]:
+    """The ``CONSUL_RDZV_*`` variables of one round for the workers (never the token itself)."""
+    cert, key = config.client_cert or ("", "")
+    verify = config.verify if isinstance(config.verify, str) else str(config.verify).lower()
+    return {"CONSUL_RDZV_RUN_ID": run_id, "CONSUL_RDZV_PREFIX": prefix,
+            "CONSUL_RDZV_NODE_ID": node_id, "CONSUL_RDZV_ROUND": str(round_no),
+            "CONSUL_RDZV_EPOCH": str(epoch), "CONSUL_RDZV_SEAL_ID": seal_id,
+            "CONSUL_RDZV_ADDR": config.url, "CONSUL_RDZV_DATACENTER": config.datacenter or "",
+            "CONSUL_RDZV_VERIFY": verify, "CONSUL_RDZV_CLIENT_CERT": cert,
+            "CONSUL_RDZV_CLIENT_KEY": key,
+            "CONSUL_RDZV_TLS_SERVER_NAME": config.tls_server_name or "",
+            "CONSUL_RDZV_TOKEN_FILE": token_file or ""}

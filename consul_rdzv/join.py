@@ -10,6 +10,7 @@ is the part a node runs while it holds the leader key. No field here is shared b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from . import runs
+from . import history, runs
 from .client import BlockingIndex, ConsulClient, QueryResult, txn_kv
 from .errors import (
     ConsulError,
@@ -31,7 +32,7 @@ from .errors import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from .layout import Keys, Leader, Member, Round, RunState
+from .layout import Keys, Leader, Member, Round, RunState, history_value
 from .planning import (
     MAX_TXN_BYTES,
     active_participants,
@@ -157,7 +158,7 @@ class Join:
                       meta=dict(self.settings.node_meta),
                       incarnation=self.incarnation.id, started=self.incarnation.started,
                       min_nodes=self.settings.min_nodes, max_nodes=self.settings.max_nodes,
-                      health=self.health())
+                      health=self.health(), at=time.time())
 
     def _write_member(self, deadline: float) -> tuple[int, RunState]:
         """Write our member key (locked by our session) and read the round state, in one txn.
@@ -529,23 +530,50 @@ class Coordinator:
     def _seal(self, state: RunState, order: list[str], snapshot_index: int, first_seen: float,
               quorum_at: float, deadline: float) -> Round | None:
         join = self.join
+        settings = join.settings
         previous = state.round
         number = max([previous.round + 1 if previous else 1,
                       *(state.members[n].want for n in order)])
         rank0 = state.members[order[0]]
+        now = time.time()
+        # How the previous round ended, for the history and the storm check: known only now.
+        after = history.ending(previous, state, order, now) if previous and previous.ranks \
+            else None
+        endings = history.recent(previous.recent if previous else [], after,
+                                 settings.storm_rounds)
+        seal_id = uuid.uuid4().hex
+        job = previous.job if previous and previous.job else seal_id
         sealed = Round(
             round=number, ranks=order, hosts=[state.members[n].host for n in order],
             store=rank0.endpoint, members_index=snapshot_index,
             joined_index=max(state.members[n].modify_index for n in order),
             coordinator=join.node_id,
             incarnations=[state.members[n].incarnation for n in order],
-            seal_id=uuid.uuid4().hex, first_join=first_seen, quorum_at=quorum_at,
-            sealed_at=time.time(), min_nodes=join.settings.min_nodes,
-            max_nodes=join.settings.max_nodes,
+            seal_id=seal_id, first_join=first_seen, quorum_at=quorum_at,
+            sealed_at=now, min_nodes=settings.min_nodes,
+            max_nodes=settings.max_nodes, job=job, recent=endings,
         )
+        sealed.totals = history.totals(previous.totals if previous and previous.job else {},
+                                       sealed, after)
+        storm = history.storm(endings, rounds=settings.storm_rounds,
+                              window=settings.storm_window, min_round=settings.storm_min_round,
+                              now=now)
+        if storm is not None and previous is not None:
+            self._stop_storm(previous, sealed, storm, deadline)
+            return None  # the round key changed meanwhile: read it again
         ops = [txn_kv("check-session", join.keys.leader, session=join.registration.session),
                txn_kv("cas", join.keys.round, value=sealed.encode(),
-                      index=previous.modify_index if previous else 0)]
+                      index=previous.modify_index if previous else 0),
+               *history.seal_ops(join.keys, sealed, after, txn_kv)]
+        if len(json.dumps(ops)) > MAX_TXN_BYTES:
+            # A world at the edge of Consul's transaction limit: the round comes first, its
+            # history record and the storm window's endings give way (the totals still count).
+            logger.warning("Round %d of run %s is sealed without its history record: the seal "
+                           "transaction would exceed Consul's limit.", number, join.run_id)
+            sealed.recent = []
+            ops = [*ops[:1], txn_kv("cas", join.keys.round, value=sealed.encode(),
+                                    index=previous.modify_index if previous else 0),
+                   *history.seal_ops(join.keys, sealed, after, txn_kv)[1:2]]
         _check_seal_fits(ops, sealed, join.run_id)
         try:
             res = join.client.txn(ops, deadline=join.op_deadline(deadline))
@@ -558,6 +586,31 @@ class Coordinator:
                      number, join.run_id, len(order))
         return sealed
 
+    def _stop_storm(self, previous: Round, sealed: Round, storm: str, deadline: float) -> None:
+        """The run's rounds keep breaking without training: close it (outcome ``failed``) in
+        place of the seal, with the pattern and the nodes in the reason; every member waiting
+        for this round wakes and raises RendezvousClosedError, and so does this node."""
+        join = self.join
+        closed = dataclasses.replace(previous)
+        closed.closed = runs.closed_marker(
+            f"{storm}. Find out why these nodes keep failing or leaving (their logs, `consul-rdzv "
+            f"history {join.run_id}`), then start the job again", join.node_id, runs.OUTCOME_FAILED)
+        closed.recent, closed.totals = sealed.recent, dict(sealed.totals, storm=storm)
+        closed.totals.update(rounds=sealed.totals["rounds"] - 1, round=previous.round,
+                             last_sealed_at=previous.sealed_at)
+        ops = [txn_kv("check-session", join.keys.leader, session=join.registration.session),
+               txn_kv("cas", join.keys.round, value=closed.encode(), index=previous.modify_index)]
+        if previous.job:
+            ops.append(txn_kv("set", join.keys.history_totals(previous.job),
+                              value=history_value(closed.totals)))
+        try:
+            join.client.txn(ops, deadline=join.op_deadline(deadline))
+        except ConsulTxnConflict as exc:
+            logger.debug("Coordinator %s of run %s could not close it for a restart storm (%s); "
+                         "re-reading.", join.node_id, join.run_id, exc)
+            return
+        logger.error("Coordinator %s closed run %s: %s.", join.node_id, join.run_id, storm)
+        raise join._closed_error(closed)
 
 
 class Progress:

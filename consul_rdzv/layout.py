@@ -8,6 +8,15 @@
 | ``P/round/leader`` | the coordinator, locked by its session | :class:`Leader` |
 | ``P/round/current`` | the coordinator (CAS), and ``close()`` (CAS) | :class:`Round` |
 | ``P/drain/<node_id>`` | an operator (``consul-rdzv drain``) | :class:`Drain` |
+| ``H/<job>/rounds/<round>`` | the coordinator, in its seal transaction | a round record |
+| ``H/<job>/totals`` | the coordinator, in its seal transaction | the job's totals |
+| ``H/<job>/archive/<i>`` | the run's last node (and ``gc``), locked (history_retention) | records |
+
+The records and totals are :mod:`consul_rdzv.history`'s.
+
+``H = <key_prefix>/~history/<run_id>``: outside ``P/``, which the coordinator reads whole at
+every change (``~`` is not allowed in a run id, so no run's prefix can be ``H``). ``<job>``: the
+first round's seal id of one job on the run id (a re-run is a new job).
 
 Values are JSON objects carrying ``"v": 1``; anything else under the prefix is rejected with a
 ``RendezvousStateError`` that names the key. Never pickle.
@@ -23,6 +32,12 @@ from .client import KVEntry
 from .errors import RendezvousStateError
 
 FORMAT_VERSION = 1
+#: The folder of the round histories under the key prefix (``~``: never a run id).
+HISTORY_DIR = "~history"
+#: Rounds kept in detail per job (the totals count every round).
+HISTORY_ROUNDS = 1000
+#: Node names kept per list in a history record (the count is kept too).
+HISTORY_NAMES = 16
 
 
 class Keys:
@@ -33,6 +48,21 @@ class Keys:
         self.leader = f"{prefix}/round/leader"
         self.round = f"{prefix}/round/current"
         self.drains = f"{prefix}/drain/"
+        key_prefix, _, run_id = prefix.rpartition("/")
+        #: H/: the run's round history (outside P/: see the module docstring)
+        self.history = f"{key_prefix}/{HISTORY_DIR}/{run_id}/"
+
+    def job(self, job: str) -> str:
+        return f"{self.history}{job}/"
+
+    def history_round(self, job: str, number: int) -> str:
+        return f"{self.history}{job}/rounds/{number:010d}"
+
+    def history_totals(self, job: str) -> str:
+        return f"{self.history}{job}/totals"
+
+    def history_archive(self, job: str, part: int) -> str:
+        return f"{self.history}{job}/archive/{part:04d}"
 
     def member(self, node_id: str) -> str:
         return self.members + node_id
@@ -94,6 +124,7 @@ class Member:
     #: why this node's Consul node holds it out of rounds (a critical node check, maintenance:
     #: consul_rdzv.health); "" while it may train
     health: str = ""
+    at: float = 0.0  # wall-clock time of this announcement (the round history's clock)
     # filled from the KV entry, not stored
     create_index: int = field(default=0, compare=False)
     modify_index: int = field(default=0, compare=False)
@@ -115,6 +146,7 @@ class Member:
                 started=float(data.get("started", 0.0)),
                 min_nodes=int(data.get("min_nodes", 0)), max_nodes=int(data.get("max_nodes", 0)),
                 health=str(data.get("health") or ""),
+                at=float(data.get("at", 0.0)),
                 create_index=entry.create_index,
                 modify_index=entry.modify_index, session=entry.session,
             )
@@ -159,6 +191,10 @@ class Round:
     max_nodes: int = 0
     closed: dict | None = None  # {reason, at, by, outcome: "finished" / "failed" / "closed"}
     incarnations: list[str] = field(default_factory=list)  # the process of each rank
+    #: The job's round history as it goes (H/<job>/): its id, its totals, the last endings
+    job: str = ""
+    totals: dict = field(default_factory=dict)
+    recent: list = field(default_factory=list)
     modify_index: int = field(default=0, compare=False)
     #: The session holding the key: a finished run's closed marker kept for a while
     session: str | None = field(default=None, compare=False)
@@ -190,6 +226,9 @@ class Round:
             closed = data.get("closed")
             if closed is not None and not isinstance(closed, dict):
                 raise ValueError(f"closed {closed!r} is not an object")
+            totals = data.get("totals") or {}
+            if not isinstance(totals, dict):
+                raise ValueError(f"totals {totals!r} is not an object")
             return cls(
                 round=int(data.get("round", 0)), ranks=ranks, hosts=hosts, store=store,
                 members_index=int(data.get("members_index", 0)),
@@ -200,7 +239,8 @@ class Round:
                 quorum_at=float(data.get("quorum_at", 0.0)),
                 sealed_at=float(data.get("sealed_at", 0.0)),
                 min_nodes=int(data.get("min_nodes", 0)), max_nodes=int(data.get("max_nodes", 0)),
-                closed=closed,
+                closed=closed, job=str(data.get("job", "")), totals=totals,
+                recent=[r for r in _list(data, "recent") if isinstance(r, dict)],
                 modify_index=entry.modify_index, session=entry.session,
             )
         except (TypeError, ValueError) as exc:
@@ -271,3 +311,56 @@ class RunState:
                     "Delete it or use another run id / key_prefix."
                 )
         return state
+
+
+# ----------------------------------------------------------------------------- round history
+
+
+def history_value(data: dict[str, Any]) -> bytes:
+    """A history record (or totals, or an archive part) as stored: JSON with the version."""
+    return json.dumps({"v": FORMAT_VERSION, **data}, separators=(",", ":"),
+                      sort_keys=True).encode()
+
+
+def decode_history(entry: KVEntry) -> dict[str, Any]:
+    """A history value; a RendezvousStateError naming the key if it is not one."""
+    return _decode(entry, "round history")
+
+
+@dataclass
+class History:
+    """One job's round history as read from ``H/<job>/``: records oldest first."""
+
+    job: str
+    records: list[dict] = field(default_factory=list)
+    totals: dict = field(default_factory=dict)
+    #: the archive's session (the job ended and its history is kept for history_retention)
+    session: str | None = None
+
+    @classmethod
+    def parse(cls, keys: Keys, entries: list[KVEntry]) -> list[History]:
+        """Every job under ``H/``, the newest (latest first sealed) last."""
+        jobs: dict[str, History] = {}
+        for entry in entries:
+            rest = entry.key[len(keys.history):]
+            if entry.key.endswith("/") or "/" not in rest:
+                continue
+            job, _, name = rest.partition("/")
+            hist = jobs.setdefault(job, cls(job))
+            data = decode_history(entry)
+            if name == "totals":
+                hist.totals = data
+            elif name.startswith("rounds/"):
+                hist.records.append(data)
+            elif name.startswith("archive/"):
+                hist.records.extend(r for r in data.get("records") or [] if isinstance(r, dict))
+                hist.session = hist.session or entry.session
+            else:
+                raise RendezvousStateError(
+                    f"Unexpected Consul key {entry.key!r} in the round history of "
+                    f"{keys.history!r}. Delete it."
+                )
+        for hist in jobs.values():
+            unique = {int(r.get("round", 0)): r for r in hist.records}
+            hist.records = [unique[n] for n in sorted(unique)]
+        return sorted(jobs.values(), key=lambda h: float(h.totals.get("since") or 0.0))

@@ -458,7 +458,8 @@ class ConsulRendezvous:
         """Leaving as the run's last member: remove what the run left in Consul, keeping a
         closed run's marker for ``closed_retention`` (:func:`consul_rdzv.runs.clean_up`)."""
         done = runs.clean_up(self.client, self.keys, run_id=self.run_id,
-                             closed_retention=self.settings.closed_retention, deadline=deadline)
+                             closed_retention=self.settings.closed_retention, deadline=deadline,
+                             history_retention=self.settings.history_retention)
         if done.removed:
             logger.debug("Node %s removed what run %s left in Consul as its last member%s.",
                          self.node_id, self.run_id,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from .client import MAX_TXN_OPS, ConsulClient, KVEntry, txn_kv
 from .errors import ConsulError, ConsulNotFound, ConsulTxnConflict
-from .layout import Drain, Keys, Member, Round
+from .layout import Drain, History, Keys, Member, Round, history_value
 
 #: How a run was closed (the ``outcome`` of its closed marker): its job finished (a node's work
 #: succeeded), failed (a node's workers failed past --max-restarts), or closed otherwise
@@ -160,10 +160,12 @@ class CleanUp:
     removed: bool = False
     #: The closed marker stays, locked by a session of TTL closed_retention.
     kept_marker: bool = False
+    #: The round history's jobs archived (kept for history_retention) or removed.
+    history: int = 0
 
 
 def clean_up(client: ConsulClient, keys: Keys, *, run_id: str, closed_retention: float,
-             deadline: float) -> CleanUp:
+             deadline: float, history_retention: float = 0.0) -> CleanUp:
     """Leaving as the run's last member: remove what the run left in Consul.
 
     Drain requests (for processes that are gone) and the round key are deleted, each at the
@@ -173,7 +175,8 @@ def clean_up(client: ConsulClient, keys: Keys, *, run_id: str, closed_retention:
     deletes it by itself one to two TTLs later, and until then a straggler of the job that ended
     is refused (``ConsulRendezvous._reopen``). Member and leader keys go with their sessions;
     keys that are not consul-rdzv's are left alone. Nothing is done while a member key or a
-    held leader key is there.
+    held leader key is there. The round history is archived for ``history_retention``
+    (:func:`archive_history`).
     """
     if client.kv_keys(keys.members, deadline=deadline):
         return CleanUp()
@@ -181,6 +184,7 @@ def clean_up(client: ConsulClient, keys: Keys, *, run_id: str, closed_retention:
     ops: list[dict] = []  # the round's first: they must share one transaction
     drains: list[dict] = []
     retained: Round | None = None
+    closed: dict | None = None
     for entry in res.data:
         if entry.key.startswith(keys.members) and not entry.key.endswith("/"):
             return CleanUp()  # a node joined meanwhile
@@ -190,6 +194,7 @@ def clean_up(client: ConsulClient, keys: Keys, *, run_id: str, closed_retention:
             drains.append(txn_kv("delete-cas", entry.key, index=entry.modify_index))
         elif entry.key == keys.round:
             current = Round.decode(entry)
+            closed = current.closed
             if current.closed and entry.session:
                 continue  # kept already (a node that left before us)
             if current.closed and closed_retention:
@@ -213,7 +218,72 @@ def clean_up(client: ConsulClient, keys: Keys, *, run_id: str, closed_retention:
         if session is not None and not _holds(client, keys.round, session, deadline):
             with contextlib.suppress(ConsulError):
                 client.session_destroy(session, deadline=deadline)
-    return CleanUp(removed=bool(ops), kept_marker=retained is not None)
+    archived = archive_history(client, keys, run_id=run_id, retention=history_retention,
+                               closed=closed, deadline=deadline)
+    return CleanUp(removed=bool(ops), kept_marker=retained is not None, history=archived)
+
+
+#: An archive part holds at most this many bytes of records (a Consul value holds 512 KiB, and
+#: a transaction 512 KiB with its values in base64).
+ARCHIVE_PART_BYTES = 256 * 1024
+
+
+def history_session_name(run_id: str) -> str:
+    """The name of the session that keeps an ended run's round history."""
+    return f"consul-rdzv {run_id} history"[:128]
+
+
+def archive_history(client: ConsulClient, keys: Keys, *, run_id: str, retention: float,
+                    closed: dict | None = None, deadline: float) -> int:
+    """The run ended: keep each job's round history for ``retention`` seconds, then Consul
+    removes it by itself (0: remove it now). How many jobs were archived or removed.
+
+    A job's records (``H/<job>/rounds/...``) are packed into a few archive parts, which, with its
+    totals (marked with the end: when, and the closed record if the run was closed), are locked
+    by one session of TTL ``retention`` (behaviour delete, no checks); then the records are
+    deleted. A job archived already (every key locked) is left as it is.
+    """
+    entries = client.kv_list(keys.history, deadline=deadline).data
+    jobs = {h.job: h for h in History.parse(keys, entries)}
+    loose = {h for h in jobs if any(e.key.startswith(keys.job(h)) and not e.session
+                                    for e in entries)}
+    if not loose:
+        return 0
+    if not retention:
+        for job in sorted(loose):
+            client.txn([txn_kv("delete-tree", keys.job(job))], deadline=deadline)
+        return len(loose)
+    session = client.session_create(
+        name=history_session_name(run_id), node_checks=[], behavior="delete", lock_delay="0s",
+        ttl=f"{retention:.0f}s", deadline=deadline)
+    now = time.time()
+    for job in sorted(loose):
+        hist = jobs[job]
+        parts: list[list[dict]] = [[]]
+        size = 0
+        for rec in hist.records:
+            n = len(history_value(rec))
+            if parts[-1] and size + n > ARCHIVE_PART_BYTES:
+                parts.append([])
+                size = 0
+            parts[-1].append(rec)
+            size += n
+        for i, part in enumerate(parts):
+            client.txn([txn_kv("lock", keys.history_archive(job, i),
+                               value=history_value({"records": part}), session=session)],
+                       deadline=deadline)
+        totals = dict(hist.totals, ended_at=hist.totals.get("ended_at") or now)
+        if closed is not None and job == max(jobs, key=lambda j: float(
+                jobs[j].totals.get("since") or 0.0)):
+            totals.setdefault("closed", closed)
+        ops = [txn_kv("lock", keys.history_totals(job), value=history_value(totals),
+                      session=session),
+               txn_kv("delete-tree", f"{keys.job(job)}rounds/")]
+        stale = [e.key for e in entries if e.key.startswith(f"{keys.job(job)}archive/")
+                 and e.key >= keys.history_archive(job, len(parts))]
+        ops += [txn_kv("delete", key) for key in stale[:MAX_TXN_OPS - len(ops)]]
+        client.txn(ops, deadline=deadline)
+    return len(loose)
 
 
 def _holds(client: ConsulClient, key: str, session: str, deadline: float) -> bool:

@@ -81,6 +81,10 @@ class RendezvousSettings:
     read_timeout: float = 60.0
     watch_wait: float = 300.0
     closed_retention: float = 600.0
+    history_retention: float = 86400.0
+    storm_rounds: int = 0
+    storm_window: float = 600.0
+    storm_min_round: float = 60.0
     rank_policy: str = "stable"
     topology_keys: tuple[str, ...] = ()
     node_rank: int | None = None
@@ -137,6 +141,24 @@ class RendezvousSettings:
                 "run's closed marker with its last node) or 10-86400 seconds (the TTL of the "
                 "Consul session that keeps it)."
             )
+        if not isinstance(self.history_retention, int | float) or not (
+                self.history_retention == 0 or 10 <= self.history_retention <= 86400):
+            raise ValueError(
+                f"history_retention ({self.history_retention!r}) must be 0 (remove a run's round "
+                "history with its last node) or 10-86400 seconds (the TTL of the Consul session "
+                "that keeps it; Consul allows at most a day)."
+            )
+        if isinstance(self.storm_rounds, bool) or not isinstance(self.storm_rounds, int) \
+                or not 0 <= self.storm_rounds <= 50:
+            raise ValueError(
+                f"storm_rounds ({self.storm_rounds!r}) must be a whole number from 0 (no "
+                "restart-storm stop) to 50: the run is closed once that many rounds in a row "
+                "ended within storm_window, each after less than storm_min_round of training."
+            )
+        for name in ("storm_window", "storm_min_round"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}.")
         if self.watch_wait > 600:
             raise ValueError(
                 f"watch_wait ({self.watch_wait:g}) must be at most 600 seconds: Consul caps a "
@@ -250,7 +272,7 @@ class RendezvousSettings:
 #: ``--rdzv-conf`` keys that map onto settings fields, with their parsers.
 _FLOAT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
                "keep_alive_interval", "consul_timeout", "read_timeout", "watch_wait",
-               "closed_retention")
+               "closed_retention", "history_retention", "storm_window", "storm_min_round")
 #: Keys the torch adapter reads itself (Consul connection), listed here so one table is the truth.
 CONNECTION_KEYS = ("token_file", "datacenter", "ca_file", "ca_path", "client_cert", "client_key",
                    "tls_server_name", "ssl", "verify")
@@ -277,7 +299,7 @@ REFUSED_KEYS = {
 }
 SETTINGS_KEYS = (*_FLOAT_KEYS, "timeout", "key_prefix", "service_name", "rank_policy",
                  "topology_keys", "node_rank", "node_meta", "store_port",
-                 "keep_alive_max_attempt", "metrics_port", "metrics_host",
+                 "keep_alive_max_attempt", "storm_rounds", "metrics_port", "metrics_host",
                  "health_checks", "health_evict")
 VALID_KEYS = tuple(sorted({*SETTINGS_KEYS, *CONNECTION_KEYS, *ADAPTER_KEYS, *IGNORED_KEYS}))
 
@@ -437,6 +459,12 @@ def settings_from_conf(run_id: str, min_nodes: int, max_nodes: int,
         raw = conf["topology_keys"]
         keys = raw if isinstance(raw, list | tuple) else re.split(r"[:;\s]+", str(raw))
         kwargs["topology_keys"] = tuple(k for k in keys if k)
+    if conf.get("storm_rounds") not in (None, ""):
+        try:
+            kwargs["storm_rounds"] = int(str(conf["storm_rounds"]))
+        except (TypeError, ValueError):
+            raise ValueError(f"rdzv conf storm_rounds={conf['storm_rounds']!r} is not a whole "
+                             "number.") from None
     if conf.get("node_rank") not in (None, ""):
         try:
             kwargs["node_rank"] = int(str(conf["node_rank"]))

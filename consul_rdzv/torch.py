@@ -67,7 +67,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from . import errors
 from .client import ConsulClient
-from .config import ConsulConfig
+from .config import ConsulConfig, round_env
 from .rendezvous import (
     OUTCOME_CLOSED,
     OUTCOME_FAILED,
@@ -213,7 +213,9 @@ class ConsulRendezvousHandler(RendezvousHandler):
 
     def __init__(self, settings: RendezvousSettings, client: ConsulClient, *,
                  node_id: str | None = None, local_addr: str | None = None,
-                 use_libuv: bool | None = None) -> None:
+                 use_libuv: bool | None = None, token_file: str | None = None) -> None:
+        #: Handed to the workers (its path, never the token), for consul_rdzv.still_current().
+        self._token_file = token_file
         self._bind_addr = local_addr or ""
         #: The trainer store's backend (torch's default when None).
         self._store_kwargs = {} if use_libuv is None else {"use_libuv": use_libuv}
@@ -282,6 +284,7 @@ class ConsulRendezvousHandler(RendezvousHandler):
                                    result.run_id, exc)
                     continue
                 self._in_round = result
+                self._hand_to_workers(result)
                 return info
         except BaseException as exc:
             self._server = None
@@ -289,6 +292,16 @@ class ConsulRendezvousHandler(RendezvousHandler):
             if _interrupted(exc):
                 self._interrupted = True
             raise
+
+    def _hand_to_workers(self, result: RoundResult) -> None:
+        """Put the round in this agent's environment, which the workers torchrun starts next
+        inherit (torch 2.13 spawns them with a copy of ``os.environ`` plus its own variables):
+        ``consul_rdzv.epoch()`` and ``still_current()`` read it (:mod:`consul_rdzv.worker`)."""
+        rdzv = self._rdzv
+        os.environ.update(round_env(
+            run_id=result.run_id, prefix=rdzv.settings.prefix, node_id=rdzv.node_id,
+            round_no=result.round, epoch=result.round_index, seal_id=result.seal_id,
+            config=rdzv.client.config, token_file=self._token_file))
 
     def _next_round(self) -> RoundResult:
         try:
@@ -651,7 +664,8 @@ def create_handler(params: RendezvousParameters) -> ConsulRendezvousHandler:
     local_addr = params.local_addr or conf.get("local_addr") or None
     handler = ConsulRendezvousHandler(settings, client, node_id=conf.get("node_id") or None,
                                       local_addr=local_addr,
-                                      use_libuv=conf_bool(conf, "use_libuv"))
+                                      use_libuv=conf_bool(conf, "use_libuv"),
+                                      token_file=conf.get("token_file") or None)
     rdzv = handler.rendezvous
     try:
         # torchrun creates the handler when the agent starts: show up in Consul right away

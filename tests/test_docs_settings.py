@@ -70,9 +70,12 @@ DEFAULTS = {f.name: (f.default if f.default is not dataclasses.MISSING else f.de
 
 
 def parse_default(cell: str):
-    """What a default cell says: ``900 s`` -> 900.0, ```stable``` -> "stable", ``-`` -> None."""
+    """What a default cell says: ``900 s`` -> 900.0, ``5`` (a count) -> 5, ```stable``` ->
+    "stable", ``-`` -> None."""
     if m := re.fullmatch(r"(\d+(?:\.\d+)?) s", cell):
         return float(m.group(1))
+    if re.fullmatch(r"\d+", cell):
+        return int(cell)
     if m := re.fullmatch(r"`([^`]*)`", cell):
         return m.group(1)
     if cell == "-" or cell.startswith("- ("):
@@ -156,7 +159,8 @@ def test_each_documented_key_is_accepted_with_a_plausible_value(key):
              "store_type": "tcp", "store_port": "29400-29401", "rank_policy": "stable",
              "topology_keys": "zone", "node_meta": "zone=a", "node_rank": "0",
              "keep_alive_max_attempt": "3", "keep_alive_interval": "5",
-             "closed_retention": "600", "watch_wait": "30",
+             "closed_retention": "600", "watch_wait": "30", "history_retention": "3600",
+             "storm_rounds": "5", "storm_window": "600", "storm_min_round": "60",
              "key_prefix": "p", "service_name": "s", "metrics_port": "0",
              "metrics_host": "127.0.0.1", "health_evict": "false",
              "health_checks": "gpu-*"}.get(key, "7" if key.endswith("timeout") else "x")

@@ -223,10 +223,10 @@ def test_runs_that_ended_every_way_leave_nothing_in_consul(agent, prefix, tmp_pa
     rendezvous (torchrun); a drained process that then died, SIGKILL of every node (real node
     processes). After Consul's own clean-up (sessions of dead nodes, their service instances
     after DeregisterCriticalServiceAfter, the finished runs' kept markers after
-    closed_retention) and one ``consul-rdzv gc``, Consul's KV, sessions, catalog and checks
-    hold nothing of any of them."""
+    closed_retention, their round histories after history_retention) and one ``consul-rdzv
+    gc``, Consul's KV, sessions, catalog and checks hold nothing of any of them."""
     conf = {"key_prefix": prefix, "heartbeat_timeout": 2, "last_call_timeout": 1,
-            "join_timeout": 60, "closed_retention": 10}
+            "join_timeout": 60, "closed_retention": 10, "history_retention": 10}
     run_ids = [f"end{i}-{uuid.uuid4().hex[:6]}" for i in range(5)]
     for sub in ("killed", "drained"):
         (tmp_path / sub).mkdir()
@@ -273,7 +273,7 @@ def test_runs_that_ended_every_way_leave_nothing_in_consul(agent, prefix, tmp_pa
         wait_for(lambda: not killed.members() and not drained.members(), HB + 10,
                  "the killed nodes' sessions and keys gone")
         assert cli.main(["--key-prefix", prefix, "--address", agent.address,
-                         "gc", "--older-than", "0", "--yes"]) == 0
+                         "gc", "--older-than", "0", "--yes", "--history-retention", "10s"]) == 0
         gc_output = capsys.readouterr().out
         # service instances of the killed nodes: Consul deregisters them after 1 min critical
         wait_for(lambda: not everything_of(agent, prefix, run_ids), 150,

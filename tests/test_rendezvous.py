@@ -838,9 +838,13 @@ def test_dotted_names_keep_every_key_inside_the_run_prefix(nodes):
     results = nodes.rounds(ns, timeout=20)
     assert_round_ok(results, 2, 2)
     ours = [k for k in nodes.admin.kv_keys("") if nodes.prefix in k]
-    assert sorted(ours) == sorted(f"{settings.prefix}/{k}" for k in
-                                  ("members/a.1", "members/...", "round/leader",
-                                   "round/current"))
+    history = f"{settings.key_prefix}/~history/{settings.run_id}/"
+    assert sorted(k for k in ours if not k.startswith(history)) == sorted(
+        f"{settings.prefix}/{k}" for k in ("members/a.1", "members/...", "round/leader",
+                                           "round/current"))
+    # the round history: H/<job>/..., beside the run's prefix, inside the key prefix
+    assert sorted(k[len(history):].split("/", 1)[1] for k in ours if k.startswith(history)) \
+        == ["rounds/0000000001", "totals"]
 
 
 def test_session_is_created_if_the_check_went_critical_before_it(agent, prefix):

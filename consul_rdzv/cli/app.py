@@ -33,7 +33,16 @@ from typing import Any
 from .. import __version__
 from ..errors import ConsulError, ConsulUnavailableError, RendezvousError
 from ..service import DEFAULT_KEY_PREFIX, SERVICE_PREFIX
-from .commands import WATCH_WAIT, cmd_close, cmd_drain, cmd_gc, cmd_list, cmd_status, cmd_watch
+from .commands import (
+    WATCH_WAIT,
+    cmd_close,
+    cmd_drain,
+    cmd_gc,
+    cmd_history,
+    cmd_list,
+    cmd_status,
+    cmd_watch,
+)
 from .devtools import cmd_agent, cmd_demo
 from .exporter import DEFAULT_BIND, DEFAULT_PORT, cmd_exporter
 from .text import CliError, UsageError, one_line, parse_duration
@@ -136,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", metavar="SECONDS", type=parse_duration, default=WATCH_WAIT,
                    help="longest blocking query (default %(default)gs, at most 10m: Consul's "
                         "cap); a query that times out shows nothing new")
+    p = command("history", cmd_history, "show a run's rounds: when each was sealed, how long it "
+                "trained, how it ended (who left, died or asked for a new round) and the time "
+                "lost until the next one, with the totals")
+    run_arg(p)
+    json_arg(p, "the history")
     p = command("close", cmd_close, "close a run: no further rounds (nodes training now keep "
                 "training until their next rendezvous)")
     run_arg(p)
@@ -154,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--older-than", metavar="DURATION", type=parse_duration, default=600.0,
                    help="an unclosed run without nodes is abandoned once idle this long "
                         "(e.g. 30s, 10m, 2h; default 10m)")
+    p.add_argument("--history-retention", metavar="DURATION", type=parse_duration,
+                   default=86400.0,
+                   help="how long the round history of a deleted run is kept (0: deleted now; "
+                        "else 10s-1d, Consul's session TTL range; default 1d)")
     json_arg(p, "what would be (or was) deleted and kept")
     p = command("exporter", cmd_exporter, "serve the state of every run under the key prefix "
                 "in Prometheus' format on /metrics, read from Consul at each scrape (one "

@@ -6,6 +6,7 @@ reported by ``main()``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import queue
 import socket
 import threading
@@ -16,14 +17,14 @@ from typing import Any
 from .. import runs
 from ..client import BlockingIndex, ConsulClient, KVEntry, Step
 from ..config import ConsulConfig
-from ..errors import ConsulTxnConflict
-from ..layout import Keys, RunState
+from ..errors import ConsulError, ConsulTxnConflict, RendezvousError
+from ..layout import HISTORY_DIR, History, Keys, Round, RunState
 from ..runs import Closing, Verdict
 from ..service import NODE_ID_RULE, valid_node_id
 from ..settings import RendezvousSettings
 from .read import Reader, RunView, run_summary
 from .render import render_status, stable, status_doc
-from .text import CliError, UsageError, fmt_duration, one_line, print_json, table
+from .text import CliError, UsageError, fmt_duration, one_line, print_json, table, utc
 
 #: How long one blocking query of ``watch`` waits before it asks again.
 WATCH_WAIT = 60.0
@@ -289,6 +290,9 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """``gc``: delete runs that ended (closed, no live node) or were abandoned."""
+    if args.history_retention and not 10 <= args.history_retention <= 86400:
+        raise UsageError(f"--history-retention {args.history_retention:g}s is outside 10s-1d "
+                         "(the TTL of the Consul session that keeps it); 0 deletes it now.")
     reader, entries, rows = _all_runs(args)
     doomed: list[dict[str, Any]] = []
     kept: list[dict[str, Any]] = []
@@ -304,6 +308,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             except ConsulTxnConflict:
                 row["why"] = "changed while being deleted (a node joined?): left as it is"
                 kept.append(row)
+        _archive_histories(reader, args, set(entries) - {r["run_id"] for r in deleted})
     if args.json:
         doc: dict[str, Any] = {"key_prefix": args.key_prefix, "consul": reader.url,
                                "dry_run": not args.yes, "older_than": args.older_than}
@@ -333,6 +338,20 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _archive_histories(reader: Reader, args: argparse.Namespace, live: set[str]) -> None:
+    """The round histories of the runs ``gc`` deleted, and of runs gone otherwise (every node
+    died), are archived as the last node would have (kept for ``--history-retention``, then
+    removed by Consul)."""
+    _, found = reader.tree(f"{args.key_prefix}/{HISTORY_DIR}")
+    start = len(args.key_prefix) + len(HISTORY_DIR) + 2
+    orphans = {e.key[start:].split("/", 1)[0] for e in found if not e.session} - live - {""}
+    for run_id in sorted(orphans):
+        with contextlib.suppress(ConsulError, RendezvousError):
+            runs.archive_history(reader.client, Keys(f"{args.key_prefix}/{run_id}"),
+                                 run_id=run_id, retention=args.history_retention,
+                                 deadline=time.monotonic() + args.consul_timeout)
+
+
 def _gc_reason(row: dict[str, Any], older_than: float) -> tuple[bool, str]:
     """Whether ``gc`` deletes a run (runs.gc_verdict decides), and why (or why not)."""
     idle = row["idle"]
@@ -357,3 +376,127 @@ def _gc_reason(row: dict[str, Any], older_than: float) -> tuple[bool, str]:
     return verdict.delete, why
 
 
+
+
+def history_doc(run_id: str, jobs: list[History], current: Round | None,
+                now: float) -> dict[str, Any]:
+    """``history``'s document: the newest job of the run, round by round, and its totals."""
+    hist = jobs[-1]
+    rows: list[dict[str, Any]] = []
+    records = hist.records
+    for i, rec in enumerate(records):
+        nxt = records[i + 1] if i + 1 < len(records) else None
+        end = nxt.get("after") if nxt else None
+        if end is not None and end.get("round") != rec.get("round"):
+            end = None  # a round whose record fell out, or a gap in the numbers
+        rows.append({"round": rec.get("round"), "sealed_at": utc(rec.get("sealed_at")),
+                     "world": rec.get("world"), "coordinator": rec.get("coordinator"),
+                     "trained": end.get("trained") if end else None,
+                     "ended": end, "lost": end.get("lost") if end else None})
+    totals = dict(hist.totals)
+    closed = totals.get("closed")
+    last = rows[-1] if rows else None
+    live = current is not None and current.job == hist.job
+    if live and current is not None and current.closed:
+        closed = current.closed
+    if last is not None and last["ended"] is None:
+        until = (_float(closed.get("at")) if closed else 0.0) or _float(totals.get("ended_at")) \
+            or (now if live else 0.0)
+        if until and records:
+            last["trained"] = round(max(0.0, until - _float(records[-1].get("sealed_at"))), 3)
+        last["running"] = live and not closed
+    rounds = int(totals.get("rounds", 0))
+    # the totals count the rounds that ended; the last one has trained until now (or its end)
+    current_share = last["trained"] if last is not None and last["ended"] is None else None
+    trained = _float(totals.get("trained")) + _float(current_share)
+    lost = _float(totals.get("lost"))
+    return {
+        "run_id": run_id, "job": hist.job, "jobs": [h.job for h in jobs],
+        "state": "running" if live and not closed else ("closed" if closed else "ended"),
+        "closed": closed, "ended_at": utc(totals.get("ended_at")),
+        "archived": bool(hist.session),
+        "totals": {"rounds": rounds, "restarts": int(totals.get("restarts", 0)),
+                   "trained": round(trained, 3), "lost": round(lost, 3),
+                   "lost_share": round(lost / (lost + trained), 4) if lost + trained else 0.0,
+                   "causes": totals.get("causes") or {}, "since": utc(totals.get("since")),
+                   "storm": totals.get("storm")},
+        "detail": {"rounds": len(rows), "first": rows[0]["round"] if rows else None},
+        "rounds": rows,
+    }
+
+
+def _float(value: object) -> float:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _ended_by(end: dict | None) -> str:
+    if not end:
+        return "-"
+    nodes = [*end.get("gone", []), *end.get("replaced", [])]
+    if not nodes and end.get("first"):
+        nodes = [end["first"]]
+    counts = end.get("counts") or {}
+    more = max(0, counts.get("gone", 0) + counts.get("replaced", 0) - len(nodes))
+    names = ", ".join(nodes[:3]) + (f" +{len(nodes) - 3 + more}" if len(nodes) > 3 or more
+                                    else "")
+    return f"{end.get('cause', '?')}: {names}" if names else str(end.get("cause", "?"))
+
+
+def render_history(doc: dict[str, Any]) -> list[str]:
+    t = doc["totals"]
+    lines = [f"run {doc['run_id']} · job {doc['job'][:12]} · {doc['state']} · {t['rounds']} "
+             f"round(s), {t['restarts']} restart(s) since {t['since'] or '?'}",
+             f"trained {fmt_duration(t['trained'])} · lost {fmt_duration(t['lost'])} "
+             f"({t['lost_share'] * 100:.1f}%) between rounds"
+             + (f" · {fmt_duration(t['lost'] / t['restarts'])} per restart" if t["restarts"]
+                else "")]
+    if t["causes"]:
+        lines.append("restarts by cause: " + ", ".join(f"{k} {v}" for k, v in
+                                                      sorted(t["causes"].items())))
+    if doc["closed"]:
+        c = doc["closed"]
+        lines.append(f"closed ({c.get('outcome', '?')}) by {c.get('by', '?')}: "
+                     f"{c.get('reason', '')}")
+    detail = doc["detail"]
+    if detail["rounds"] < t["rounds"]:
+        lines.append(f"(the last {detail['rounds']} rounds in detail, from round "
+                     f"{detail['first']})")
+    if len(doc["jobs"]) > 1:
+        earlier = ", ".join(j[:12] for j in doc["jobs"][:-1])
+        lines.append(f"(earlier jobs on this run id: {earlier})")
+    lines.append("")
+    rows = []
+    for r in doc["rounds"]:
+        trained = "-" if r["trained"] is None else fmt_duration(r["trained"])
+        if r.get("running"):
+            trained += " (running)"
+        rows.append([str(r["round"]), r["sealed_at"] or "-", str(r["world"]), trained,
+                     _ended_by(r["ended"]), "-" if r["lost"] is None else fmt_duration(r["lost"])])
+    lines += table(["ROUND", "SEALED", "WORLD", "TRAINED", "ENDED BY", "LOST"], rows)
+    return lines
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    """``history RUN``: the run's rounds, how each ended and the time lost, and its totals."""
+    _check_run_id(args)
+    reader = _reader(args)
+    reader.probe(args.key_prefix)
+    keys = Keys(f"{args.key_prefix}/{args.run_id}")
+    _, entries = reader.tree(keys.history.rstrip("/"))
+    jobs = History.parse(keys, entries)
+    if not jobs:
+        raise CliError(
+            f"no round history for run {args.run_id!r} under {keys.history} in Consul at "
+            f"{reader.url}: no round of it was sealed, or it ended more than history_retention "
+            f"ago. Check the run id and --key-prefix (consul-rdzv list shows the runs).")
+    entry = reader.client.kv_get(keys.round).data
+    current = Round.decode(entry) if entry is not None else None
+    doc = history_doc(args.run_id, jobs, current, time.time())
+    if args.json:
+        print_json(doc)
+    else:
+        print("\n".join(render_history(doc)))
+    return 0

@@ -4,6 +4,11 @@ Every rank trains the same tiny model on the same deterministic data for --steps
 one JSON line: rank, world size, restart count, and a checksum of the final parameters. DDP keeps
 the parameters identical on every rank, so all ranks of a finished job print the same checksum.
 
+With --checkpoint-dir, rank 0 writes a checkpoint every --checkpoint-every steps, fenced: only
+while its round is still the run's current one (``consul_rdzv.still_current()``, a consistent
+read in Consul), tagged with the round's epoch (``consul_rdzv.epoch()``), so that a worker of
+an older round that wakes up late (frozen, paused) never overwrites a newer round's checkpoint.
+
 It ships inside the package and is run by torchrun, never imported by consul-rdzv: by path
 (``consul-rdzv demo`` finds the file with ``importlib.resources``) or as a module, from any
 directory where consul-rdzv is installed:
@@ -27,6 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+import consul_rdzv
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -46,6 +53,14 @@ def main() -> int:
     parser.add_argument("--final-work", default="",
                         help="RANK:SECONDS: after training, that rank works this long on its "
                              "own (a final evaluation, a checkpoint upload) before it exits")
+    parser.add_argument("--checkpoint-dir", default="",
+                        help="rank 0 writes checkpoint.pt here (fenced by the round's epoch)")
+    parser.add_argument("--checkpoint-every", type=int, default=10,
+                        help="steps between checkpoints (with --checkpoint-dir)")
+    parser.add_argument("--stop-self", default="",
+                        help="RANK:STEP: that rank stops itself (SIGSTOP) right before its "
+                             "checkpoint at that step, once (marker file in --out): a frozen "
+                             "worker, for the fencing test")
     args = parser.parse_args()
     if args.sigterm_delay is not None:
         delay = args.sigterm_delay
@@ -70,6 +85,8 @@ def main() -> int:
     fail_rank, fail_step = (int(x) for x in args.fail_once.split(":")) if args.fail_once \
         else (-1, -1)
     marker = Path(args.out or ".") / "failed-once"
+    stop_rank, stop_step = (int(x) for x in args.stop_self.split(":")) if args.stop_self \
+        else (-1, -1)
 
     def progress(event: str, **fields) -> None:
         if not args.progress_file:
@@ -79,6 +96,23 @@ def main() -> int:
                            "pid": os.getpid(), "agent_pid": os.getppid(), **fields})
         with open(args.progress_file, "a", encoding="utf-8") as fh:  # one short O_APPEND write
             fh.write(line + "\n")
+
+    def checkpoint(step: int) -> bool:
+        """Write the checkpoint only while this round is the run's current one; False: the
+        job went on without this worker (a newer round exists), so it must not write."""
+        epoch = consul_rdzv.epoch()
+        if not consul_rdzv.still_current():
+            progress("checkpoint-refused", step=step, epoch=epoch)
+            print(f"rank {rank}: round of epoch {epoch} is no longer current: checkpoint "
+                  "refused, this worker stops", file=sys.stderr, flush=True)
+            return False
+        path = Path(args.checkpoint_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / f".checkpoint.pt.{os.getpid()}"
+        torch.save({"model": model.state_dict(), "step": step, "epoch": epoch}, tmp)
+        os.replace(tmp, path / "checkpoint.pt")
+        progress("checkpoint", step=step, epoch=epoch)
+        return True
 
     progress("start")  # after DDP's initial broadcast: every rank of this world is connected
     for step in range(args.steps):
@@ -95,6 +129,14 @@ def main() -> int:
         progress("step", step=step)
         if args.step_time:
             time.sleep(args.step_time)
+        stop_marker = Path(args.out or ".") / "stopped-once"
+        if rank == stop_rank and step == stop_step and not stop_marker.exists():
+            stop_marker.write_text(f"rank {rank} stopped itself at step {step}\n")
+            progress("stopping", step=step, epoch=consul_rdzv.epoch())
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen here until someone sends SIGCONT
+        if args.checkpoint_dir and rank == 0 and (step + 1) % args.checkpoint_every == 0 \
+                and not checkpoint(step):
+            return 3
 
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     final_loss = float(loss.detach())
