@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from rdzv_nodes import HB, Cluster, signals_of, wait_for
+from rdzv_nodes import HB, Cluster, figure, signals_of, wait_for
 
 from consul_rdzv import __version__
 from consul_rdzv.cli import build_parser, fmt_duration, heartbeat_time, parse_duration
@@ -352,6 +352,80 @@ def test_drain_takes_a_node_out_and_the_job_reforms(agent, nodes, prefix):
     assert nodes.admin.kv_keys(f"{nodes.keys.prefix}/drain/") == []
     missing = cli("drain", nodes.run_id, "nobody", "--key-prefix", prefix)
     assert "is not in run" in one_error_line(missing, "drain")
+
+
+def _drain_to_training(nodes, prefix, *, spare: bool) -> tuple[float, dict]:
+    """a and b train (max 2), c waits beside the full round if ``spare``; b is drained (with
+    --replace when a spare waits). Seconds from the drain's end to the next round, and it."""
+    s = nodes.settings(min_nodes=1, max_nodes=2)
+    a, b = nodes.node("a", s), nodes.node("b", s)
+    first = nodes.rounds([a, b], 30)
+    assert {r.round for r in first.values()} == {1}
+    pending = {}
+    if spare:
+        pending = nodes.start([nodes.node("c", s)])
+        wait_for(lambda: "c" in nodes.members(), 30, "the spare's key")
+        assert a.num_nodes_waiting() == 0  # a spare beside a full round restarts nobody
+    args = ["drain", nodes.run_id, "b", "--key-prefix", prefix] + (["--replace"] if spare else [])
+    proc = cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    began = time.monotonic()
+    if spare:
+        assert "Waiting to take its slot: c" in proc.stdout, proc.stdout
+    wait_for(lambda: a.num_nodes_waiting() >= 1, 10, "a sees b gone")
+    pending.update(nodes.start([a]))
+    second = nodes.gather(pending, 30)
+    return time.monotonic() - began, second
+
+
+def test_drain_replace_hands_the_slot_to_the_waiting_spare_in_one_round_change(nodes, prefix):
+    took, second = _drain_to_training(nodes, prefix, spare=True)
+    # one round change: round 2 is a and the spare, nobody needs a third round
+    assert {k: (r.round, r.world_size) for k, r in second.items()} == {"a": (2, 2), "c": (2, 2)}
+    figure(f"drain --replace with a spare waiting: round 2 of a and the spare {took:.3f}s after "
+           "the drain (one restart)")
+
+
+def test_a_node_that_leaves_while_a_spare_waits_is_replaced_in_one_round_change(nodes):
+    """Make before break without an operator: a node stopped gracefully (torch's shutdown()
+    leaves) hands its slot to the spare waiting beside the full round, in the same change."""
+    s = nodes.settings(min_nodes=1, max_nodes=2)
+    a, b = nodes.node("a", s), nodes.node("b", s)
+    nodes.rounds([a, b], 30)
+    pending = nodes.start([nodes.node("c", s)])
+    wait_for(lambda: "c" in nodes.members(), 30, "the spare's key")
+    assert b.leave(timeout=10)
+    began = time.monotonic()
+    wait_for(lambda: a.num_nodes_waiting() >= 1, 10, "a sees b gone")
+    pending.update(nodes.start([a]))
+    second = nodes.gather(pending, 30)
+    assert {k: (r.round, r.world_size) for k, r in second.items()} == {"a": (2, 2), "c": (2, 2)}
+    figure(f"a node left with a spare waiting: round 2 of a and the spare "
+           f"{time.monotonic() - began:.3f}s after the leave")
+
+
+def test_plain_drain_shrinks_the_job_in_one_round_change(nodes, prefix):
+    took, second = _drain_to_training(nodes, prefix, spare=False)
+    assert {k: (r.round, r.world_size) for k, r in second.items()} == {"a": (2, 1)}
+    figure(f"plain drain, no spare: round 2 of a alone {took:.3f}s after the drain")
+
+
+def test_drain_replace_without_a_spare_or_a_slot_changes_nothing(nodes, prefix):
+    s = nodes.settings(min_nodes=1, max_nodes=2)
+    ns = [nodes.node(n, s) for n in ("a", "b")]
+    nodes.rounds(ns, 30)
+    proc = cli("drain", nodes.run_id, "b", "--key-prefix", prefix, "--replace")
+    assert "no spare waits in run" in one_error_line(proc, "drain")
+    assert set(nodes.members()) == {"a", "b"}
+    assert all(n.num_nodes_waiting() == 0 for n in ns)
+    # a node waiting beside the round has no slot to hand over
+    held = nodes.node("h", s)
+    pending = nodes.start([held])
+    wait_for(lambda: "h" in nodes.members(), 30, "h's key")
+    proc = cli("drain", nodes.run_id, "h", "--key-prefix", prefix, "--replace")
+    assert "is not in the current round" in one_error_line(proc, "drain")
+    assert "h" in nodes.members()
+    del pending
 
 
 def test_close_stops_future_rounds_and_refuses_a_missing_run(agent, nodes, prefix):

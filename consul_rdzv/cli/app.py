@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("node", metavar="NODE", help="the node id (as status shows it)")
     p.add_argument("--reason", default="drained by an operator",
                    help="why, shown in the error the drained node gets")
+    p.add_argument("--replace", action="store_true",
+                   help="only if a spare waits to take the node's slot (make before break: the "
+                        "job re-forms once, with the spare); refused, changing nothing, if none")
     p = command("gc", cmd_gc, "delete runs that ended (closed, no live node) or were abandoned "
                 "(no live node, no passing instance, idle for --older-than); a dry run unless "
                 "--yes")

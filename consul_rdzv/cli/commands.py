@@ -245,6 +245,25 @@ def cmd_close(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replacements(args: argparse.Namespace, state: RunState) -> list[str]:
+    """``drain --replace``: the spares that wait to take the node's slot (announced, alive, not
+    in the current round, not held out, not drained), or a CliError that changes nothing."""
+    current = state.round
+    if current is None or current.closed or args.node not in current.ranks:
+        raise CliError(f"--replace: node {args.node!r} is not in the current round of run "
+                       f"{args.run_id}: there is no slot to hand over; nothing was changed. "
+                       "Drain it without --replace.")
+    spares = sorted(node for node, m in state.members.items()
+                    if node not in current.ranks and m.session and not m.health
+                    and node not in state.drains)
+    if not spares:
+        raise CliError(f"--replace: no spare waits in run {args.run_id} to take the slot of "
+                       f"{args.node} (a spare is a node that announced itself and waits beside "
+                       "the round, healthy); nothing was changed. Start one first, or drain "
+                       "without --replace to shrink the job.")
+    return spares
+
+
 def cmd_drain(args: argparse.Namespace) -> int:
     """``drain RUN NODE``: destroy the node's session, which deletes its member key."""
     if not valid_node_id(args.node):
@@ -255,6 +274,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
         raise _no_such_run(view, "; nothing was changed")
     keys = Keys(view.prefix)
     state = view.state or RunState()
+    spares = _replacements(args, state) if getattr(args, "replace", False) else []
     done = runs.drain(reader.client, keys, args.node,
                       by=f"consul-rdzv drain ({socket.gethostname()})", reason=args.reason,
                       timeout=max(5.0, args.consul_timeout))
@@ -282,6 +302,10 @@ def cmd_drain(args: argparse.Namespace) -> int:
     else:
         print("It was waiting, not in the current round: the next round forms without it"
               + ("; another node becomes coordinator" if coordinator else "") + ".")
+    if spares:
+        print(f"Waiting to take its slot: {', '.join(spares)}; the next round takes "
+              + ("it" if len(spares) == 1 else "them") + " in the same round change (one "
+              "restart of the job, not two).")
     print(f"The drained process (pid {member.pid} on {member.host}) refuses its next round and "
           "leaves the run for good, as if stopped (its torchrun agent exits with "
           "RendezvousClosedError: drained). A new process with the same node id may join again.")
