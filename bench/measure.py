@@ -202,6 +202,8 @@ class ConsulView:
         return {"keys": len(keys or []), "members": len(members or []),
                 "members_index": members_index, "sessions": len(mine),
                 "sessions_ended": sum(1 for s in mine if s["Name"].endswith(" ended")),
+                "sessions_history": sum(1 for s in mine if s["Name"].endswith(" history")),
+                "session_names": sorted(s["Name"] for s in mine),
                 "services": len(services or []), "key_names": sorted(keys or [])}
 
 

@@ -257,33 +257,59 @@ def archive_history(client: ConsulClient, keys: Keys, *, run_id: str, retention:
         name=history_session_name(run_id), node_checks=[], behavior="delete", lock_delay="0s",
         ttl=f"{retention:.0f}s", deadline=deadline)
     now = time.time()
-    for job in sorted(loose):
-        hist = jobs[job]
-        parts: list[list[dict]] = [[]]
-        size = 0
-        for rec in hist.records:
-            n = len(history_value(rec))
-            if parts[-1] and size + n > ARCHIVE_PART_BYTES:
-                parts.append([])
-                size = 0
-            parts[-1].append(rec)
-            size += n
-        for i, part in enumerate(parts):
-            client.txn([txn_kv("lock", keys.history_archive(job, i),
-                               value=history_value({"records": part}), session=session)],
-                       deadline=deadline)
-        totals = dict(hist.totals, ended_at=hist.totals.get("ended_at") or now)
-        if closed is not None and job == max(jobs, key=lambda j: float(
-                jobs[j].totals.get("since") or 0.0)):
-            totals.setdefault("closed", closed)
-        ops = [txn_kv("lock", keys.history_totals(job), value=history_value(totals),
-                      session=session),
-               txn_kv("delete-tree", f"{keys.job(job)}rounds/")]
-        stale = [e.key for e in entries if e.key.startswith(f"{keys.job(job)}archive/")
-                 and e.key >= keys.history_archive(job, len(parts))]
-        ops += [txn_kv("delete", key) for key in stale[:MAX_TXN_OPS - len(ops)]]
-        client.txn(ops, deadline=deadline)
+    # Nodes that leave at once may each find themselves the last and archive together: a lock
+    # refused means another leaver holds that job's archive, which stays its own. A session that
+    # locked nothing is destroyed (it would be left for a whole retention); one that locked a
+    # part keeps it (destroying it would delete that part).
+    held: list[str] = []
+    unknown = False
+    try:
+        for job in sorted(loose):
+            with contextlib.suppress(ConsulTxnConflict):
+                _archive_job(client, keys, jobs, job, entries, session, closed, now, deadline,
+                             held)
+    except BaseException:
+        unknown = True  # keep the session: Consul removes it after the retention
+        raise
+    finally:
+        if not held and not unknown:
+            with contextlib.suppress(ConsulError):
+                client.session_destroy(session, deadline=deadline)
     return len(loose)
+
+
+def _archive_job(client: ConsulClient, keys: Keys, jobs: dict, job: str, entries: list[KVEntry],
+                 session: str, closed: dict | None, now: float, deadline: float,
+                 held: list[str]) -> None:
+    """Pack one job's records into archive parts and its totals, locked by ``session``; each
+    key locked is appended to ``held``."""
+    hist = jobs[job]
+    parts: list[list[dict]] = [[]]
+    size = 0
+    for rec in hist.records:
+        n = len(history_value(rec))
+        if parts[-1] and size + n > ARCHIVE_PART_BYTES:
+            parts.append([])
+            size = 0
+        parts[-1].append(rec)
+        size += n
+    for i, part in enumerate(parts):
+        client.txn([txn_kv("lock", keys.history_archive(job, i),
+                           value=history_value({"records": part}), session=session)],
+                   deadline=deadline)
+        held.append(keys.history_archive(job, i))
+    totals = dict(hist.totals, ended_at=hist.totals.get("ended_at") or now)
+    if closed is not None and job == max(jobs, key=lambda j: float(
+            jobs[j].totals.get("since") or 0.0)):
+        totals.setdefault("closed", closed)
+    ops = [txn_kv("lock", keys.history_totals(job), value=history_value(totals),
+                  session=session),
+           txn_kv("delete-tree", f"{keys.job(job)}rounds/")]
+    stale = [e.key for e in entries if e.key.startswith(f"{keys.job(job)}archive/")
+             and e.key >= keys.history_archive(job, len(parts))]
+    ops += [txn_kv("delete", key) for key in stale[:MAX_TXN_OPS - len(ops)]]
+    client.txn(ops, deadline=deadline)
+    held.append(keys.history_totals(job))
 
 
 def _holds(client: ConsulClient, key: str, session: str, deadline: float) -> bool:
