@@ -571,9 +571,14 @@ class ConsulRendezvous:
             logger.warning("Node %s of run %s could not record a failure of its host %s (%s): "
                            "%s", self.node_id, self.run_id, self.host, what, exc)
             return
-        logger.info("Node %s of run %s recorded a failure of its host %s: %s (%d within "
-                    "quarantine_window).", self.node_id, self.run_id, self.host, what,
-                    len(value.get("failures") or []))
+        if quarantine.active(value, now) and not value.get("failures"):
+            logger.warning("Node %s of run %s recorded a failure of its host %s (%s): the host "
+                           "is quarantined (quarantine_failures=%d).", self.node_id, self.run_id,
+                           self.host, what, self.quarantine_policy.failures)
+        else:
+            logger.info("Node %s of run %s recorded a failure of its host %s: %s (%d within "
+                        "quarantine_window).", self.node_id, self.run_id, self.host, what,
+                        len(value.get("failures") or []))
         self.quarantine.apply(value)  # held out before the next announcement
 
     def _health_changed(self, reason: str) -> None:

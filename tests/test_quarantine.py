@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from rdzv_nodes import Cluster, stays, wait_for
+from rdzv_nodes import Cluster, figure, stays, wait_for
 
 from consul_rdzv import quarantine
 from consul_rdzv.client import KVEntry
@@ -160,6 +160,13 @@ def test_an_operators_quarantine_holds_the_host_out_says_why_and_clear_readmits_
     assert futures["b"].result(30).round == again.round
     assert nodes.members()["b"].health == ""
     assert json.loads(cli(nodes, "quarantine", "list", "--json").stdout)["hosts"] == []
+    # how fast a quarantine written in Consul takes a training node out (figure)
+    started = time.monotonic()
+    quarantine.update(nodes.admin, nodes.keys.quarantined("b"), lambda v: quarantine.add(
+        v, host="b", now=time.time(), seconds=600, why="again", by="test"))
+    wait_for(lambda: a.num_nodes_waiting() >= 1, 15, "a sees b leave its round again")
+    figure(f"quarantine written -> the survivor sees the quarantined node leave its round: "
+           f"{(time.monotonic() - started) * 1000:.0f} ms")
 
 
 def test_a_host_failing_repeatedly_is_quarantined_for_other_runs_until_its_cooldown_ends(
@@ -216,3 +223,42 @@ def test_a_host_failing_repeatedly_is_quarantined_for_other_runs_until_its_coold
         assert futures["b"].result(30).round == back.round
     finally:
         other.shutdown()
+
+
+def test_a_session_lost_while_training_counts_as_a_failure_of_the_host(nodes):
+    """The other failure a node knows of: its Consul session lost while it trained (here
+    destroyed from outside). One failure is the threshold: the host is quarantined at once,
+    and the node's next announcement already carries the reason."""
+    settings = nodes.settings(min_nodes=1, max_nodes=2, quarantine_failures=1,
+                              quarantine_cooldown=600.0, quarantine_cooldown_max=600.0)
+    a, b = nodes.node("a", settings), nodes.node("b", settings)
+    nodes.rounds([a, b], 30)
+    nodes.admin.session_destroy(b.session_id)
+    wait_for(lambda: b.num_nodes_waiting() >= 1 and a.num_nodes_waiting() >= 1, 15,
+             "both see b's session gone")
+    futures = nodes.start([a, b])
+    assert futures["a"].result(30).participants == ["a"]
+    value, _ = quarantine.read(nodes.admin, nodes.keys.quarantined("b"))
+    assert value is not None and quarantine.active(value, time.time())
+    assert "its Consul session was lost while it trained" in value["reason"], value
+    wait_for(lambda: "b" in nodes.members(), 15, "b announces itself again")
+    assert nodes.members()["b"].health == b.health_reason() != ""
+    assert quarantine.read(nodes.admin, nodes.keys.quarantined("a"))[0] is None
+    assert not futures["b"].done()
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["add"], "quarantine add needs a HOST"),
+    (["clear"], "quarantine clear needs a HOST"),
+    (["list", "gpu-1"], "quarantine list takes no HOST"),
+    (["add", "a/b"], "host 'a/b' is invalid"),
+    (["add", "gpu-1", "--for", "0"], "give a positive duration"),
+])
+def test_bad_quarantine_commands_get_one_usage_error(args, says):
+    proc = subprocess.run([sys.executable, "-m", "consul_rdzv.cli", "quarantine", *args],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CONSUL_HTTP_ADDR": "127.0.0.1:1"})
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("consul-rdzv quarantine: "), proc.stderr
+    assert says in lines[0], lines[0]

@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("list", "add", "clear"),
                    help="list every host's quarantine; add HOST for --for; clear HOST")
     p.add_argument("host", metavar="HOST", nargs="?", default=None,
-                   help="the host (the HOST column of consul-rdzv status) for add and clear")
+                   help="the host (consul-rdzv status --json, field host) for add and clear")
     p.add_argument("--for", dest="seconds", metavar="DURATION", type=parse_duration,
                    default=3600.0, help="how long add quarantines the host (e.g. 30m, 2h; "
                                         "default 1h)")

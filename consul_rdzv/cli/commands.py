@@ -528,6 +528,17 @@ def quarantine_doc(entries: list[KVEntry], now: float) -> list[dict[str, Any]]:
 
 def cmd_quarantine(args: argparse.Namespace) -> int:
     """``quarantine list / add HOST / clear HOST``: the hosts no run admits (docs/health.md)."""
+    if args.action == "list" and args.host:
+        raise UsageError(f"quarantine list takes no HOST (got {args.host!r}): it lists every "
+                         "host; use add HOST or clear HOST for one.")
+    if args.action != "list" and not args.host:
+        raise UsageError(f"quarantine {args.action} needs a HOST: consul-rdzv quarantine "
+                         f"{args.action} HOST (the node's host name).")
+    if args.host and "/" in args.host:
+        raise UsageError(f"host {args.host!r} is invalid: give the host name as the member "
+                         "key's host (consul-rdzv status --json shows it: field host).")
+    if args.action == "add" and args.seconds <= 0:
+        raise UsageError(f"--for {args.seconds:g}s: give a positive duration (e.g. 30m, 2h).")
     reader = _reader(args)
     folder = quarantine_dir(args.key_prefix)
     if args.action == "list":
@@ -546,9 +557,6 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
               str(r.get("failures", "-")), r.get("reason") or r.get("error", "")]
              for r in rows])))
         return 0
-    if not args.host or "/" in args.host:
-        raise UsageError(f"host {args.host!r} is invalid: give the host name as the member "
-                         "key's host (consul-rdzv status shows it in the HOST column).")
     key = quarantine_key(folder, args.host)
     if args.action == "clear":
         if reader.client.kv_get(key).data is None:
@@ -558,8 +566,6 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
         print(f"host {args.host} is out of quarantine: its nodes rejoin their runs at their "
               "next round (its failures and level are forgotten).")
         return 0
-    if args.seconds <= 0:
-        raise UsageError(f"--for {args.seconds:g}s: give a positive duration (e.g. 30m, 2h).")
     now = time.time()
     by = f"consul-rdzv quarantine ({socket.gethostname()})"
     value = quarantine.update(
