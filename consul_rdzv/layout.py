@@ -11,12 +11,16 @@
 | ``H/<job>/rounds/<round>`` | the coordinator, in its seal transaction | a round record |
 | ``H/<job>/totals`` | the coordinator, in its seal transaction | the job's totals |
 | ``H/<job>/archive/<i>`` | the run's last node (and ``gc``), locked (history_retention) | records |
+| ``Q/<host>`` | a node of that host (CAS), an operator (``quarantine``) | a quarantine |
 
 The records and totals are :mod:`consul_rdzv.history`'s.
 
 ``H = <key_prefix>/~history/<run_id>``: outside ``P/``, which the coordinator reads whole at
 every change (``~`` is not allowed in a run id, so no run's prefix can be ``H``). ``<job>``: the
 first round's seal id of one job on the run id (a re-run is a new job).
+
+``Q = <key_prefix>/~quarantine``: one key per quarantined host (the member key's ``host``),
+shared by every run under the key prefix (:mod:`consul_rdzv.quarantine`).
 
 Values are JSON objects carrying ``"v": 1``; anything else under the prefix is rejected with a
 ``RendezvousStateError`` that names the key. Never pickle.
@@ -25,6 +29,7 @@ Values are JSON objects carrying ``"v": 1``; anything else under the prefix is r
 from __future__ import annotations
 
 import json
+import urllib.parse
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,6 +43,8 @@ HISTORY_DIR = "~history"
 HISTORY_ROUNDS = 1000
 #: Node names kept per list in a history record (the count is kept too).
 HISTORY_NAMES = 16
+#: The folder of the hosts' quarantine under the key prefix (``~``: never a run id).
+QUARANTINE_DIR = "~quarantine"
 
 
 class Keys:
@@ -51,6 +58,11 @@ class Keys:
         key_prefix, _, run_id = prefix.rpartition("/")
         #: H/: the run's round history (outside P/: see the module docstring)
         self.history = f"{key_prefix}/{HISTORY_DIR}/{run_id}/"
+        #: Q/: the hosts' quarantine, shared by every run under the key prefix
+        self.quarantine = quarantine_dir(key_prefix)
+
+    def quarantined(self, host: str) -> str:
+        return quarantine_key(self.quarantine, host)
 
     def job(self, job: str) -> str:
         return f"{self.history}{job}/"
@@ -311,6 +323,19 @@ class RunState:
                     "Delete it or use another run id / key_prefix."
                 )
         return state
+
+
+# ----------------------------------------------------------------------------- quarantine
+
+
+def quarantine_dir(key_prefix: str) -> str:
+    """``Q/``: the folder of the hosts' quarantine keys under ``key_prefix``."""
+    return f"{key_prefix}/{QUARANTINE_DIR}/"
+
+
+def quarantine_key(folder: str, host: str) -> str:
+    """A host's quarantine key in ``folder`` (the host name percent-quoted: one key segment)."""
+    return folder + urllib.parse.quote(host, safe="")
 
 
 # ----------------------------------------------------------------------------- round history

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from . import runs
+from . import quarantine, runs
 from .client import ConsulClient, txn_kv
 from .errors import (
     ConsulBadRequest,
@@ -66,7 +66,14 @@ from .registration import Incarnation, Registration
 from .runs import OUTCOME_CLOSED, Closing
 from .runs import OUTCOME_FAILED as OUTCOME_FAILED
 from .runs import OUTCOME_FINISHED as OUTCOME_FINISHED
-from .service import NODE_ID_RULE, training_meta, training_note, valid_node_id
+from .service import (
+    JOINING,
+    MAX_META_VALUE,
+    NODE_ID_RULE,
+    training_meta,
+    training_note,
+    valid_node_id,
+)
 from .settings import RendezvousSettings
 from .standing import Standing
 from .watch import RoundWatch, WatchedRound, why_over
@@ -141,6 +148,18 @@ class ConsulRendezvous:
                                      node_id=self.node_id, run_id=settings.run_id,
                                      node_name=self._consul_node, on_change=self._health_changed,
                                      wait=settings.watch_wait)
+        #: This node's host's quarantine (docs/health.md, "Quarantine"): always watched (an
+        #: operator's quarantine is honoured whatever the policy); failures are recorded only
+        #: with ``quarantine_failures`` > 0.
+        self.quarantine_policy = quarantine.Policy(
+            failures=settings.quarantine_failures, window=settings.quarantine_window,
+            cooldown=settings.quarantine_cooldown, cooldown_max=settings.quarantine_cooldown_max)
+        self.quarantine = quarantine.QuarantineWatch(
+            self.client, key=self.keys.quarantined(self.host),
+            on_change=self._quarantine_changed, wait=settings.watch_wait)
+        #: set by the torch adapter when a round's members did not meet: the next round is no
+        #: failure of this host's
+        self.abandoned = False
 
     def __repr__(self) -> str:
         return f"ConsulRendezvous(run={self.settings.run_id!r}, node={self.node_id!r})"
@@ -176,6 +195,7 @@ class ConsulRendezvous:
         if self._left:
             raise RendezvousStateError(f"Node {self.node_id} has left run {self.run_id}; "
                                        "create a new ConsulRendezvous to join again.")
+        self._record_failure()
         if self.metrics is None:
             return self._next_round()
         if self._round is not None:
@@ -306,11 +326,14 @@ class ConsulRendezvous:
             raise self._connection_error("register its service and session", exc) from exc
         if self.health is not None:
             self.health.start()  # its first answer is in before the first announcement
+        self.quarantine.start()
 
     def health_reason(self) -> str:
-        """Why this node's Consul node holds it out of rounds (a critical node-level check,
-        maintenance mode), or "" while it may train (docs/health.md). No Consul request."""
-        return self.health.reason if self.health is not None else ""
+        """Why this node is held out of rounds: its host is quarantined, or its Consul node has
+        a critical node-level check or is in maintenance mode; "" while it may train
+        (docs/health.md). No Consul request."""
+        reasons = (self.quarantine.reason, self.health.reason if self.health is not None else "")
+        return "; ".join(r for r in reasons if r)
 
     def num_nodes_waiting(self) -> int:
         """See module docstring: a local read, no Consul request.
@@ -392,6 +415,7 @@ class ConsulRendezvous:
         self.standing.end()
         if self.health is not None:
             self.health.stop()
+        self.quarantine.stop()
         with self._announced.lock:
             self._announced.member = None
         if already:
@@ -428,6 +452,7 @@ class ConsulRendezvous:
         self.standing.end()  # it ends after its current query
         if self.health is not None:
             self.health.stop()
+        self.quarantine.stop()
         self.registration.halt()
         if self.metrics is not None:
             self.metrics.close()
@@ -491,6 +516,11 @@ class ConsulRendezvous:
     def _know_health(self, deadline: float) -> None:
         """Before announcing: the first answer of the health watch (started here at the
         latest; read while the node registered, so usually in already)."""
+        self.quarantine.start()
+        if not self.quarantine.wait_known(min(deadline, self._op_deadline())):
+            logger.warning("Node %s of run %s could not read the quarantine of its host %s "
+                           "within consul_timeout; it announces itself as not quarantined.",
+                           self.node_id, self.run_id, self.host)
         health = self.health
         if health is None:
             return
@@ -502,11 +532,57 @@ class ConsulRendezvous:
         if health.error:
             raise RendezvousConnectionError(health.error[0].upper() + health.error[1:] + ".")
 
+    def _quarantine_changed(self, reason: str) -> None:
+        """The quarantine watch saw this node's host quarantined or let out: as for health."""
+        if reason:
+            logger.warning("Node %s of run %s is held out of rounds: %s.", self.node_id,
+                           self.run_id, reason)
+            shown = {"state": JOINING, "quarantined": reason[:MAX_META_VALUE]}
+            self.registration.publish(shown, note=f"held out: {reason}")
+        else:
+            logger.info("Node %s of run %s: its host %s is out of quarantine; it may join the "
+                        "next round.", self.node_id, self.run_id, self.host)
+            if self._announced.joining or self._round is None:
+                self.registration.publish({"state": JOINING}, note=JOINING)
+        self._hold_changed()
+
+    def _record_failure(self) -> None:
+        """Before a new round after one this node was in: count a failure of its host when it
+        knows of one (its session was lost while it trained, or its workers failed: it asks
+        for a new round while its round was intact), with ``quarantine_failures`` > 0."""
+        abandoned, self.abandoned = self.abandoned, False
+        if self._round is None or abandoned or not self.quarantine_policy.recording:
+            return
+        if self.registration.lost:
+            what = "its Consul session was lost while it trained"
+        elif self.restart_cause() == "local":
+            what = "its workers failed"
+        else:
+            return
+        now = time.time()
+        try:
+            value = quarantine.update(
+                self.client, self.keys.quarantined(self.host),
+                lambda v: quarantine.record_failure(v, host=self.host, now=now,
+                                                    policy=self.quarantine_policy, what=what,
+                                                    by=self.node_id),
+                deadline=self._op_deadline())
+        except (ConsulError, RendezvousStateError) as exc:
+            logger.warning("Node %s of run %s could not record a failure of its host %s (%s): "
+                           "%s", self.node_id, self.run_id, self.host, what, exc)
+            return
+        if quarantine.active(value, now) and not value.get("failures"):
+            logger.warning("Node %s of run %s recorded a failure of its host %s (%s): the host "
+                           "is quarantined (quarantine_failures=%d).", self.node_id, self.run_id,
+                           self.host, what, self.quarantine_policy.failures)
+        else:
+            logger.info("Node %s of run %s recorded a failure of its host %s: %s (%d within "
+                        "quarantine_window).", self.node_id, self.run_id, self.host, what,
+                        len(value.get("failures") or []))
+        self.quarantine.apply(value)  # held out before the next announcement
+
     def _health_changed(self, reason: str) -> None:
-        """The health thread saw this node's Consul node change: rewrite our member key while
-        we join (a coordinator admits or holds out on it), or, while we train, take this node
-        out of its round at once (``health_evict``): the others see our key rewritten and
-        re-form without us; we wait, held out, until the node is healthy again."""
+        """The health thread saw this node's Consul node change (as for the quarantine)."""
         node = self.health.node if self.health is not None else "?"
         if reason:
             logger.warning("Node %s of run %s is held out of rounds: its Consul node %s is "
@@ -514,6 +590,14 @@ class ConsulRendezvous:
         else:
             logger.info("Node %s of run %s: its Consul node %s is healthy again; it may join "
                         "the next round.", self.node_id, self.run_id, node)
+        self._hold_changed()
+
+    def _hold_changed(self) -> None:
+        """Why this node is held out changed: rewrite our member key while we join (a
+        coordinator admits or holds out on it), or, while we train, take this node out of its
+        round at once (``health_evict``): the others see our key rewritten and re-form without
+        us; we wait, held out, until the reason is gone."""
+        reason = self.health_reason()
         with self._announced.lock:
             written = self._announced
             if written.member is None or written.session is None \
@@ -545,9 +629,9 @@ class ConsulRendezvous:
             written.index = entry.modify_index if entry is not None else written.index
         if evict:
             current = self._round
-            logger.warning("Node %s leaves round %s of run %s: its Consul node %s is unhealthy "
-                           "(%s); the others re-form without it (health_evict).", self.node_id,
-                           current.round if current else "?", self.run_id, node, reason)
+            logger.warning("Node %s leaves round %s of run %s: it is held out (%s); the others "
+                           "re-form without it (health_evict).", self.node_id,
+                           current.round if current else "?", self.run_id, reason)
 
     # ------------------------------------------------------------------ training-time watch
 

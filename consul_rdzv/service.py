@@ -67,7 +67,8 @@ RANK_TAG = "rank-"
 #: ``node_meta`` item may not replace one (an "incarnation" would defeat the same-node-id
 #: takeover).
 RESERVED_META = frozenset({"run_id", "node_id", "host", "pid", "incarnation", "started", "ttl",
-                           "state", "round", "rank", "world_size", "store"})
+                           "state", "round", "rank", "world_size", "store",
+                           "quarantined"})
 #: Consul allows 64 meta pairs per service instance.
 MAX_META = 64
 #: Consul caps a meta value at 512 characters.

@@ -97,6 +97,14 @@ class RendezvousSettings:
     health_checks: tuple[str, ...] | None = ()
     #: A check turning critical (or maintenance) while the node trains takes it out at once.
     health_evict: bool = True
+    #: Quarantine across jobs (docs/health.md, "Quarantine"): this many failures of a host
+    #: within ``quarantine_window`` quarantine it (0: a node never quarantines its host by
+    #: itself; an operator's quarantine is honoured all the same); the cooldown doubles with
+    #: each quarantine in a row, from ``quarantine_cooldown`` up to ``quarantine_cooldown_max``.
+    quarantine_failures: int = 0
+    quarantine_window: float = 600.0
+    quarantine_cooldown: float = 300.0
+    quarantine_cooldown_max: float = 86400.0
 
     def __post_init__(self) -> None:
         # "." and ".." path segments are removed from Consul KV URLs (GET /v1/kv/a/../b reads
@@ -159,6 +167,24 @@ class RendezvousSettings:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}.")
+        if isinstance(self.quarantine_failures, bool) \
+                or not isinstance(self.quarantine_failures, int) \
+                or not 0 <= self.quarantine_failures <= 64:
+            raise ValueError(
+                f"quarantine_failures ({self.quarantine_failures!r}) must be a whole number from "
+                "0 (a node never quarantines its host by itself) to 64: that many failures of a "
+                "host within quarantine_window quarantine it."
+            )
+        for name in ("quarantine_window", "quarantine_cooldown", "quarantine_cooldown_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}.")
+        if self.quarantine_cooldown_max < self.quarantine_cooldown:
+            raise ValueError(
+                f"quarantine_cooldown_max ({self.quarantine_cooldown_max:g}) must be at least "
+                f"quarantine_cooldown ({self.quarantine_cooldown:g}): it caps the doubling "
+                "cooldown."
+            )
         if self.watch_wait > 600:
             raise ValueError(
                 f"watch_wait ({self.watch_wait:g}) must be at most 600 seconds: Consul caps a "
@@ -272,7 +298,8 @@ class RendezvousSettings:
 #: ``--rdzv-conf`` keys that map onto settings fields, with their parsers.
 _FLOAT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
                "keep_alive_interval", "consul_timeout", "read_timeout", "watch_wait",
-               "closed_retention", "history_retention", "storm_window", "storm_min_round")
+               "closed_retention", "history_retention", "storm_window", "storm_min_round",
+               "quarantine_window", "quarantine_cooldown", "quarantine_cooldown_max")
 #: Keys the torch adapter reads itself (Consul connection), listed here so one table is the truth.
 CONNECTION_KEYS = ("token_file", "datacenter", "ca_file", "ca_path", "client_cert", "client_key",
                    "tls_server_name", "ssl", "verify")
@@ -300,7 +327,7 @@ REFUSED_KEYS = {
 SETTINGS_KEYS = (*_FLOAT_KEYS, "timeout", "key_prefix", "service_name", "rank_policy",
                  "topology_keys", "node_rank", "node_meta", "store_port",
                  "keep_alive_max_attempt", "storm_rounds", "metrics_port", "metrics_host",
-                 "health_checks", "health_evict")
+                 "health_checks", "health_evict", "quarantine_failures")
 VALID_KEYS = tuple(sorted({*SETTINGS_KEYS, *CONNECTION_KEYS, *ADAPTER_KEYS, *IGNORED_KEYS}))
 
 _PORTS = re.compile(r"^\s*(\d{1,5})\s*(?:-\s*(\d{1,5})\s*)?$")
@@ -465,6 +492,12 @@ def settings_from_conf(run_id: str, min_nodes: int, max_nodes: int,
         except (TypeError, ValueError):
             raise ValueError(f"rdzv conf storm_rounds={conf['storm_rounds']!r} is not a whole "
                              "number.") from None
+    if conf.get("quarantine_failures") not in (None, ""):
+        try:
+            kwargs["quarantine_failures"] = int(str(conf["quarantine_failures"]))
+        except (TypeError, ValueError):
+            raise ValueError(f"rdzv conf quarantine_failures={conf['quarantine_failures']!r} is "
+                             "not a whole number.") from None
     if conf.get("node_rank") not in (None, ""):
         try:
             kwargs["node_rank"] = int(str(conf["node_rank"]))

@@ -273,6 +273,7 @@ class ConsulRendezvousHandler(RendezvousHandler):
                     info = self._meet(result, time.monotonic() + settings.read_timeout)
                 except _RoundAbandoned as exc:
                     self._server = None
+                    self._rdzv.abandoned = True  # not a failure of this host (quarantine)
                     if time.monotonic() >= deadline:
                         raise torch_api.RendezvousTimeoutError(
                             f"Node {self._rdzv.node_id} of run {result.run_id} gave up after "

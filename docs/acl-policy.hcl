@@ -42,7 +42,9 @@
 # The run's keys: <key_prefix>/<run_id>/members/<node_id> (locked with the node's session, in
 # a transaction), <key_prefix>/<run_id>/round/leader (acquired by the coordinator),
 # <key_prefix>/<run_id>/round/current (the sealed round, check-and-set; the closed marker),
-# blocking reads of those prefixes, and their deletion when nodes leave.
+# blocking reads of those prefixes, and their deletion when nodes leave; the round history
+# (<key_prefix>/~history/<run_id>/...) and the hosts' quarantine (<key_prefix>/~quarantine/<host>:
+# each node's blocking read of its host's key, and the check-and-set write of a failure).
 key_prefix "torchelastic/" {
   policy = "write"
 }

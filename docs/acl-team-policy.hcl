@@ -22,7 +22,9 @@
 # session_prefix rule by one exact rule per host: session "vision-gpu-001" { policy = "write" }.
 
 # The team's runs: teams/<team>/<run_id>/... (the trailing slash keeps "teams/ml/" from also
-# matching "teams/ml-ops/").
+# matching "teams/ml-ops/"), their round histories (teams/<team>/~history/...) and the team's
+# hosts' quarantine (teams/<team>/~quarantine/<host>: each team quarantines hosts for its own
+# runs only).
 key_prefix "teams/<team>/" {
   policy = "write"
 }

@@ -296,6 +296,53 @@ def test_policy_without_one_rule_fails_fast_naming_it_as_shipped(acl_agent, acl,
     print(f"without {rule_header(block)}: {text}")
 
 
+def test_the_shipped_policy_covers_the_hosts_quarantine_and_a_read_only_key_rule_refuses_it(
+        acl_agent, acl, run_id):
+    """The quarantine keys (<key_prefix>/~quarantine/<host>) are under the shipped key rule: a
+    job token may record a failure (check-and-set) and its node reads an operator's quarantine
+    with its blocking query; a token that may only read keys may not write one."""
+    from consul_rdzv import quarantine
+    from consul_rdzv.client import ConsulClient
+    from consul_rdzv.config import ConsulConfig
+    from consul_rdzv.errors import ConsulPermissionDenied
+    from consul_rdzv.layout import Keys
+    from consul_rdzv.rendezvous import ConsulRendezvous
+    from consul_rdzv.settings import RendezvousSettings
+
+    def client_with(rules: str) -> ConsulClient:
+        return ConsulClient(ConsulConfig.resolve(address=acl_agent.address,
+                                                 token=acl.token(rules)["SecretID"], env={}),
+                            retry_timeout=3.0)
+
+    host = f"host-{run_id}"
+    key = Keys(f"torchelastic/{run_id}").quarantined(host)
+    policy = _strip_comments(shipped_policy(acl_agent.node_name))
+    rule = next(b for b in rule_blocks(policy) if b["kind"] == "key_prefix")
+    assert rule["name"] == "torchelastic/"
+    reading = policy[:rule.start()] + rule.group(0).replace('"write"', '"read"') \
+        + policy[rule.end():]
+    job, reader = client_with(policy), client_with(reading)
+    node = None
+    try:
+        quarantine.update(job, key, lambda v: quarantine.add(
+            v, host=host, now=time.time(), seconds=600, why="acl test", by="test"))
+        node = ConsulRendezvous(RendezvousSettings(run_id=run_id, min_nodes=1, max_nodes=1,
+                                                   consul_timeout=3.0), job,
+                                node_id="node-q", host=host)
+        node.register(timeout=10)
+        wait_for(lambda: node.health_reason().endswith(": acl test"), 10,
+                 "the node reads its host's quarantine with the job token")
+        assert quarantine.read(reader, key)[0] is not None
+        with pytest.raises(ConsulPermissionDenied):
+            reader.kv_put(key, b"{}")
+    finally:
+        if node is not None:
+            node.leave()
+        job.kv_delete(key)
+        job.close()
+        reader.close()
+
+
 def test_policy_whose_key_rule_only_reads_fails_fast_naming_the_write_rule(acl_agent, acl, run_id,
                                                                            acl_node):
     policy = shipped_policy(acl_agent.node_name)

@@ -163,7 +163,9 @@ def test_each_documented_key_is_accepted_with_a_plausible_value(key):
              "storm_rounds": "5", "storm_window": "600", "storm_min_round": "60",
              "key_prefix": "p", "service_name": "s", "metrics_port": "0",
              "metrics_host": "127.0.0.1", "health_evict": "false",
-             "health_checks": "gpu-*"}.get(key, "7" if key.endswith("timeout") else "x")
+             "health_checks": "gpu-*", "quarantine_failures": "3",
+             "quarantine_window": "600", "quarantine_cooldown": "300",
+             "quarantine_cooldown_max": "3600"}.get(key, "7" if key.endswith("timeout") else "x")
     # metrics_host only goes with metrics_port (alone it is refused: nothing would listen)
     extra = {"metrics_port": "0"} if key == "metrics_host" else {}
     settings_from_conf("j", 1, 1, {key: value, **extra})

@@ -19,9 +19,9 @@ PACKAGE = ROOT / "consul_rdzv"
 def test_all_lists_exactly_the_public_names():
     public = {n for n in vars(consul_rdzv) if not n.startswith("_")} | {"__version__"}
     modules = {"agents", "client", "cli", "config", "errors", "examples", "health", "heartbeat",
-               "history", "join", "keeper", "layout", "liveness", "metrics", "planning", "ranks",
-               "registration", "rendezvous", "runs", "service", "settings", "standing", "testing",
-               "torch", "watch", "worker"}
+               "history", "join", "keeper", "layout", "liveness", "metrics", "planning",
+               "quarantine", "ranks", "registration", "rendezvous", "runs", "service",
+               "settings", "standing", "testing", "torch", "watch", "worker"}
     assert set(consul_rdzv.__all__) == public - modules
     assert sorted(consul_rdzv.__all__) == consul_rdzv.__all__
 
@@ -159,7 +159,8 @@ def test_compatibility_names_every_cli_command_and_global_option():
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
     stable = backticked(doc_table_row(
-        "`list`, `status`, `watch`, `history`, `close`, `drain`, `gc`, `exporter`")[0])
+        "`list`, `status`, `watch`, `history`, `close`, `drain`, `gc`, `quarantine`, "
+        "`exporter`")[0])
     unstable = backticked(doc_table_row("`agent`, `demo`")[0])
     assert sorted(stable + unstable) == sorted(commands)
     options = [o for o in backticked(doc_table_row("the global options")[0])

@@ -6,6 +6,7 @@
     consul-rdzv close RUN [--reason TEXT]   no further rounds (training nodes train on)
     consul-rdzv drain RUN NODE              take a node out now: the job re-forms without it
     consul-rdzv gc [--yes]                  delete ended and abandoned runs (dry run by default)
+    consul-rdzv quarantine list|add|clear   hosts no run admits (quarantine across jobs)
     consul-rdzv exporter [--bind --port]    serve every run's metrics to Prometheus (/metrics)
     consul-rdzv agent [--bind ADDR --port N] a Consul dev agent until Ctrl-C
     consul-rdzv demo [--keep]               a real 3-node torchrun job on this machine
@@ -40,6 +41,7 @@ from .commands import (
     cmd_gc,
     cmd_history,
     cmd_list,
+    cmd_quarantine,
     cmd_status,
     cmd_watch,
 )
@@ -176,6 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long the round history of a deleted run is kept (0: deleted now; "
                         "else 10s-1d, Consul's session TTL range; default 1d)")
     json_arg(p, "what would be (or was) deleted and kept")
+    p = command("quarantine", cmd_quarantine, "list, add or clear the quarantine of hosts: no run "
+                "under the key prefix admits a quarantined host's nodes until its quarantine "
+                "ends (docs/health.md)")
+    p.add_argument("action", choices=("list", "add", "clear"),
+                   help="list every host's quarantine; add HOST for --for; clear HOST")
+    p.add_argument("host", metavar="HOST", nargs="?", default=None,
+                   help="the host (consul-rdzv status --json, field host) for add and clear")
+    p.add_argument("--for", dest="seconds", metavar="DURATION", type=parse_duration,
+                   default=3600.0, help="how long add quarantines the host (e.g. 30m, 2h; "
+                                        "default 1h)")
+    p.add_argument("--reason", default="quarantined by an operator",
+                   help="why, shown by the held-out nodes and in status")
+    json_arg(p, "the hosts (list)")
     p = command("exporter", cmd_exporter, "serve the state of every run under the key prefix "
                 "in Prometheus' format on /metrics, read from Consul at each scrape (one "
                 "exporter per fleet; needs the metrics extra)")

@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import runs
+from .. import quarantine, runs
 from ..client import BlockingIndex, ConsulClient, KVEntry, Step
 from ..config import ConsulConfig
 from ..errors import ConsulError, ConsulTxnConflict, RendezvousError
-from ..layout import HISTORY_DIR, History, Keys, Round, RunState
+from ..layout import HISTORY_DIR, History, Keys, Round, RunState, quarantine_dir, quarantine_key
 from ..runs import Closing, Verdict
 from ..service import NODE_ID_RULE, valid_node_id
 from ..settings import RendezvousSettings
@@ -523,4 +523,81 @@ def cmd_history(args: argparse.Namespace) -> int:
         print_json(doc)
     else:
         print("\n".join(render_history(doc)))
+    return 0
+
+
+# ----------------------------------------------------------------------------- quarantine
+
+
+def quarantine_doc(entries: list[KVEntry], now: float) -> list[dict[str, Any]]:
+    """``quarantine list``'s rows: every host with a quarantine key, quarantined or not."""
+    rows = []
+    for entry in entries:
+        if entry.key.endswith("/"):
+            continue
+        try:
+            value = quarantine.decode(entry) or {}
+        except RendezvousError as exc:
+            rows.append({"host": entry.key.rsplit("/", 1)[-1], "key": entry.key,
+                         "quarantined": False, "error": str(exc)})
+            continue
+        until = float(value.get("until") or 0.0)
+        rows.append({"host": value.get("host") or entry.key.rsplit("/", 1)[-1],
+                     "key": entry.key, "quarantined": quarantine.active(value, now),
+                     "until": utc(until), "remaining": round(max(0.0, until - now), 1),
+                     "level": int(value.get("level") or 0), "reason": value.get("reason") or "",
+                     "by": value.get("by") or "", "failures": len(value.get("failures") or [])})
+    return sorted(rows, key=lambda r: r["host"])
+
+
+def cmd_quarantine(args: argparse.Namespace) -> int:
+    """``quarantine list / add HOST / clear HOST``: the hosts no run admits (docs/health.md)."""
+    if args.action == "list" and args.host:
+        raise UsageError(f"quarantine list takes no HOST (got {args.host!r}): it lists every "
+                         "host; use add HOST or clear HOST for one.")
+    if args.action != "list" and not args.host:
+        raise UsageError(f"quarantine {args.action} needs a HOST: consul-rdzv quarantine "
+                         f"{args.action} HOST (the node's host name).")
+    if args.host and "/" in args.host:
+        raise UsageError(f"host {args.host!r} is invalid: give the host name as the member "
+                         "key's host (consul-rdzv status --json shows it: field host).")
+    if args.action == "add" and args.seconds <= 0:
+        raise UsageError(f"--for {args.seconds:g}s: give a positive duration (e.g. 30m, 2h).")
+    reader = _reader(args)
+    folder = quarantine_dir(args.key_prefix)
+    if args.action == "list":
+        _, entries = reader.tree(folder.rstrip("/"))
+        rows = quarantine_doc(entries, time.time())
+        if args.json:
+            print_json({"hosts": rows})
+            return 0
+        if not rows:
+            print(f"no host is quarantined (no key under {folder}).")
+            return 0
+        print("\n".join(table(
+            ["HOST", "QUARANTINED", "UNTIL", "LEVEL", "FAILURES", "REASON"],
+            [[r["host"], "yes" if r["quarantined"] else "no",
+              (r["until"] or "-") if r["quarantined"] else "-", str(r.get("level", "-")),
+              str(r.get("failures", "-")), r.get("reason") or r.get("error", "")]
+             for r in rows])))
+        return 0
+    key = quarantine_key(folder, args.host)
+    if args.action == "clear":
+        if reader.client.kv_get(key).data is None:
+            print(f"host {args.host} is not quarantined (no key {key}); nothing was changed.")
+            return 0
+        reader.client.kv_delete(key)
+        print(f"host {args.host} is out of quarantine: its nodes rejoin their runs at their "
+              "next round (its failures and level are forgotten).")
+        return 0
+    now = time.time()
+    by = f"consul-rdzv quarantine ({socket.gethostname()})"
+    value = quarantine.update(
+        reader.client, key,
+        lambda v: quarantine.add(v, host=args.host, now=now, seconds=args.seconds,
+                                 why=args.reason, by=by))
+    print(f"host {args.host} is quarantined until {quarantine.utc(float(value['until']))} "
+          f"({fmt_duration(args.seconds)}): no run under {args.key_prefix} admits its nodes; "
+          "a node of it that trains now leaves its round (health_evict). "
+          f"consul-rdzv quarantine clear {args.host} ends it.")
     return 0

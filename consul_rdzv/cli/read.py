@@ -16,7 +16,7 @@ from typing import Any
 
 from ..client import ConsulClient, KVEntry
 from ..errors import ConsulError, RendezvousError
-from ..layout import HISTORY_DIR, Keys, RunState
+from ..layout import HISTORY_DIR, QUARANTINE_DIR, Keys, RunState
 from ..planning import active_participants
 from ..service import (
     RDZV_TAG,
@@ -214,7 +214,8 @@ class Reader:
         for entry in entries:
             rest = entry.key[start:]
             run_id = rest.split("/", 1)[0]
-            if run_id and run_id != HISTORY_DIR:  # the round histories are not a run
+            # the round histories and the hosts' quarantine are not runs
+            if run_id and run_id not in (HISTORY_DIR, QUARANTINE_DIR):
                 runs.setdefault(run_id, []).append(entry)
         return runs
 
