@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -18,7 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rdzv_nodes import HB, wait_for
 
 from consul_rdzv import metrics as node_metrics
+from consul_rdzv import quarantine
 from consul_rdzv.cli import exporter
+from consul_rdzv.layout import quarantine_dir, quarantine_key
 from consul_rdzv.settings import RendezvousSettings, settings_from_conf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -358,6 +361,28 @@ def test_both_endpoints_move_as_a_real_job_does(nodes, fleet_exporter, run_id):
     assert value(node(b), "consul_rdzv_restarts_total", cause="departure") == 2
     wait_for(lambda: value(exp.scrape(), "consul_rdzv_run_round", run_id=run_id)
              == fourth["a"].round, 10, "the exporter follows every round")
+
+
+def test_the_exporter_counts_the_hosts_quarantined_now(agent, prefix, fleet_exporter):
+    """consul_rdzv_quarantined_hosts follows the hosts' quarantine keys: an active one counts,
+    one whose cooldown ended or a value that is not a quarantine does not."""
+    client = agent.client()
+    folder = quarantine_dir(prefix)
+    try:
+        assert value(fleet_exporter.scrape(), "consul_rdzv_quarantined_hosts") == 0
+        now = time.time()
+        for host, seconds in (("gpu-07", 3600), ("gpu-08", 3600), ("gpu-09", -10)):
+            quarantine.update(client, quarantine_key(folder, host),
+                              lambda v, h=host, t=seconds: quarantine.add(
+                                  v, host=h, now=now, seconds=t, why="test", by="test"))
+        client.kv_put(quarantine_key(folder, "junk"), b"not json")
+        wait_for(lambda: value(fleet_exporter.scrape(), "consul_rdzv_quarantined_hosts") == 2,
+                 30, "two hosts quarantined now")
+        client.kv_delete(quarantine_key(folder, "gpu-07"))
+        wait_for(lambda: value(fleet_exporter.scrape(), "consul_rdzv_quarantined_hosts") == 1,
+                 30, "one host left")
+    finally:
+        client.close()
 
 
 def test_a_node_without_metrics_port_serves_nothing_and_imports_nothing(nodes):

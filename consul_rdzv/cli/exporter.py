@@ -24,6 +24,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from .. import quarantine
+from ..client import KVEntry
 from ..errors import ConsulError, RendezvousError
 from ..layout import Keys, RunState
 from ..planning import active_participants
@@ -54,13 +56,28 @@ EXPORTER_METRICS = (
     "consul_rdzv_run_round",
     "consul_rdzv_run_world_size",
     "consul_rdzv_run_seconds_since_round",
+    "consul_rdzv_quarantined_hosts",
 )
+
+
+def quarantined(entries: list[KVEntry], now: float) -> int:
+    """How many hosts are quarantined now (docs/health.md, "Quarantine")."""
+    count = 0
+    for entry in entries:
+        with contextlib.suppress(RendezvousError, ValueError):
+            count += bool(quarantine.active(quarantine.decode(entry), now))
+    return count
 
 
 def fleet(reader: Reader, key_prefix: str, now: float) -> dict[str, Any]:
     """What the exporter exposes, read from Consul now (two requests): per run its state, its
     nodes by state, its instances by health, its round, world size and when it was sealed."""
-    found = reader.runs()
+    return fleet_and_hosts(reader, key_prefix, now)[0]
+
+
+def fleet_and_hosts(reader: Reader, key_prefix: str, now: float) -> tuple[dict[str, Any], int]:
+    """:func:`fleet`, and how many hosts are quarantined, from the same two requests."""
+    found, hosts = reader.runs_and_quarantine()
     health = reader.instance_health()
     runs: dict[str, dict[str, Any]] = {}
     for run_id in sorted(set(found) | set(health)):
@@ -85,7 +102,7 @@ def fleet(reader: Reader, key_prefix: str, now: float) -> dict[str, Any]:
             "since_round": (max(0.0, now - sealed.sealed_at)
                             if sealed and sealed.sealed_at else None),
         }
-    return runs
+    return runs, quarantined(hosts, now)
 
 
 class FleetCollector:
@@ -103,12 +120,12 @@ class FleetCollector:
         began = time.monotonic()
         with self._lock:
             try:
-                runs = fleet(self.reader, self.key_prefix, time.time())
+                runs, hosts = fleet_and_hosts(self.reader, self.key_prefix, time.time())
                 up = 1.0
             except (ConsulError, CliError) as exc:
                 logger.warning("consul-rdzv exporter could not read Consul at %s: %s",
                                self.reader.url, one_line(exc))
-                runs, up = {}, 0.0
+                runs, hosts, up = {}, 0, 0.0
         yield _gauge("consul_rdzv_exporter_up", "1 if the last read of Consul succeeded.", [],
                      [([], up)])
         yield _gauge("consul_rdzv_exporter_read_seconds", "How long the read of Consul took.",
@@ -118,6 +135,8 @@ class FleetCollector:
         by_state = dict.fromkeys(RUN_STATES, 0)
         for run in runs.values():
             by_state[run["state"]] = by_state.get(run["state"], 0) + 1
+        yield _gauge("consul_rdzv_quarantined_hosts", "Hosts no run under the key prefix admits "
+                     "now (their quarantine, docs/health.md).", [], [([], hosts)])
         yield _gauge("consul_rdzv_runs", "Runs under the key prefix, by state.", ["state"],
                      [([s], n) for s, n in by_state.items()])
         yield _gauge("consul_rdzv_run_state", "1 for a run's current state.",

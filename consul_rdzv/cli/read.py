@@ -208,16 +208,23 @@ class Reader:
 
     def runs(self) -> dict[str, list[KVEntry]]:
         """run id -> its keys, for every run under the key prefix."""
+        return self.runs_and_quarantine()[0]
+
+    def runs_and_quarantine(self) -> tuple[dict[str, list[KVEntry]], list[KVEntry]]:
+        """Every run's keys (as :meth:`runs`) and the hosts' quarantine keys, in one read."""
         _, entries = self.tree(self.key_prefix)
         runs: dict[str, list[KVEntry]] = {}
+        hosts: list[KVEntry] = []
         start = len(self.key_prefix) + 1
         for entry in entries:
             rest = entry.key[start:]
             run_id = rest.split("/", 1)[0]
             # the round histories and the hosts' quarantine are not runs
-            if run_id and run_id not in (HISTORY_DIR, QUARANTINE_DIR):
+            if run_id == QUARANTINE_DIR:
+                hosts.append(entry)
+            elif run_id and run_id != HISTORY_DIR:
                 runs.setdefault(run_id, []).append(entry)
-        return runs
+        return runs, hosts
 
     def passing_runs(self) -> dict[str, int]:
         """run id -> how many passing consul-rdzv service instances carry its tag."""
