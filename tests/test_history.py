@@ -333,3 +333,30 @@ def history_json_of(prefix: str, run_id: str) -> dict:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
+
+
+def test_list_and_the_exporter_read_no_round_history(agent, prefix):
+    """The read model behind `list`, `status` and the exporter skips the round histories kept
+    under the key prefix (up to 1,000 records a run): with histories present it lists the
+    folders and reads each but theirs; without, it reads the prefix once."""
+    from consul_rdzv.cli.read import Reader
+
+    client = agent.client()
+    try:
+        client.kv_put(f"{prefix}/run-a/round/current", Round(round=1).encode())
+        client.kv_put(f"{prefix}/~quarantine/gpu-07", b"{}")
+        reader = Reader(client, prefix)
+        read: list[str] = []
+        tree = reader.tree
+        reader.tree = lambda p, **kw: (read.append(p), tree(p, **kw))[1]  # type: ignore
+        runs, hosts = reader.runs_and_quarantine()
+        assert set(runs) == {"run-a"} and [e.key for e in hosts] == [f"{prefix}/~quarantine/gpu-07"]
+        assert read == [prefix]  # no history: one read of the whole prefix
+        for i in range(50):
+            client.kv_put(f"{prefix}/~history/run-a/j/rounds/{i:05d}", b"x" * 2000)
+        read.clear()
+        runs, hosts = reader.runs_and_quarantine()
+        assert set(runs) == {"run-a"} and len(hosts) == 1
+        assert sorted(read) == [f"{prefix}/run-a", f"{prefix}/~quarantine"], read
+    finally:
+        client.close()

@@ -2,7 +2,8 @@
 
 One exporter per fleet (per Consul datacenter and key prefix): at each scrape of ``/metrics`` it
 reads Consul with the read model of ``consul-rdzv list`` (:mod:`.read`): every run's keys under
-the key prefix (one request) and the health of every consul-rdzv service instance (one
+the key prefix (one request, or one per run when round histories are kept there:
+:meth:`.read.Reader.runs_and_quarantine`) and the health of every consul-rdzv service instance (one
 request), and answers with what they say now. It keeps no state between scrapes, so any number
 of exporters may run, and one that restarts loses nothing. The nodes' own metrics (the
 ``metrics_port`` setting, :mod:`consul_rdzv.metrics`) tell what each node did; this tells what
@@ -70,13 +71,14 @@ def quarantined(entries: list[KVEntry], now: float) -> int:
 
 
 def fleet(reader: Reader, key_prefix: str, now: float) -> dict[str, Any]:
-    """What the exporter exposes, read from Consul now (two requests): per run its state, its
+    """What the exporter exposes, read from Consul now (two requests, or one more
+    per run when round histories are kept under the prefix): per run its state, its
     nodes by state, its instances by health, its round, world size and when it was sealed."""
     return fleet_and_hosts(reader, key_prefix, now)[0]
 
 
 def fleet_and_hosts(reader: Reader, key_prefix: str, now: float) -> tuple[dict[str, Any], int]:
-    """:func:`fleet`, and how many hosts are quarantined, from the same two requests."""
+    """:func:`fleet`, and how many hosts are quarantined, from the same reads."""
     found, hosts = reader.runs_and_quarantine()
     health = reader.instance_health()
     runs: dict[str, dict[str, Any]] = {}

@@ -211,8 +211,25 @@ class Reader:
         return self.runs_and_quarantine()[0]
 
     def runs_and_quarantine(self) -> tuple[dict[str, list[KVEntry]], list[KVEntry]]:
-        """Every run's keys (as :meth:`runs`) and the hosts' quarantine keys, in one read."""
-        _, entries = self.tree(self.key_prefix)
+        """Every run's keys (as :meth:`runs`) and the hosts' quarantine keys.
+
+        One read of the whole key prefix, unless round histories are kept there (up to 1,000
+        records per run, which nothing here needs): then the folders under the key prefix are
+        listed (one request) and each but the histories' is read (one request each)."""
+        folder = f"{self.key_prefix}/"
+        tops = self.client.kv_keys(folder, separator="/")
+        if f"{folder}{HISTORY_DIR}/" not in tops:
+            _, entries = self.tree(self.key_prefix)
+        else:
+            entries = []
+            for top in tops:
+                if top == f"{folder}{HISTORY_DIR}/":
+                    continue
+                if top.endswith("/"):
+                    entries += self.tree(top.rstrip("/"))[1]
+                else:  # a key right under the prefix, not in a folder
+                    entry = self.client.kv_get(top).data
+                    entries += [entry] if entry is not None else []
         runs: dict[str, list[KVEntry]] = {}
         hosts: list[KVEntry] = []
         start = len(self.key_prefix) + 1
