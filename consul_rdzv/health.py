@@ -27,9 +27,11 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
+from typing import ClassVar
 
 from .client import BlockingIndex, ConsulClient
 from .errors import ConsulError, ConsulPermissionDenied
+from .shared_query import SharedQuery
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +212,7 @@ class NodeHealth:
         self._known.set()
 
 
-class _NodeWatch:
+class _NodeWatch(SharedQuery):
     """One blocking query on ``/v1/health/node/<node>`` (a daemon thread), shared by the
     :class:`NodeHealth` of every node of this process that talks to the same agent with the same
     token (:meth:`join`); it ends, after its current query, when the last one leaves.
@@ -223,54 +225,36 @@ class _NodeWatch:
     lone change is followed by a query at once.
     """
 
-    _registry: dict[tuple, _NodeWatch] = {}
-    _registry_lock = threading.Lock()
+    _registry: ClassVar[dict[tuple, SharedQuery]] = {}
+    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
+    thread_name = "consul-rdzv-health"
 
     def __init__(self, key: tuple, client: ConsulClient, wait: float) -> None:
-        self.key = key
-        self.client = ConsulClient(client.config, retry_timeout=client.retry_timeout)
+        super().__init__(key, client)
         self.wait = wait
         self.node = ""
         self.queries = 0
-        self._members: list[NodeHealth] = []
         self._last: list[dict] | None = None
         self._failed = ""  # an ACL refusal: every member (and every later one) fails
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="consul-rdzv-health")
 
     @classmethod
     def join(cls, member: NodeHealth) -> _NodeWatch:
         config = member.client.config
         key = (config.url, config.token, config.datacenter)
-        with cls._registry_lock:
-            watch = cls._registry.get(key)
-            if watch is None or watch._stopped.is_set():
-                watch = cls(key, member.client, member.wait)
-                cls._registry[key] = watch
-                watch._members.append(member)
-                watch._thread.start()
-                return watch
-            watch._members.append(member)
-            last, failed = watch._last, watch._failed
+        return cls.attach(key, member, lambda: cls(key, member.client, member.wait))
+
+    def _snapshot(self) -> tuple[list[dict] | None, str]:
+        return self._last, self._failed
+
+    def _catch_up(self, member: NodeHealth, snapshot: tuple[list[dict] | None, str]) -> None:
+        last, failed = snapshot
         if failed:
-            member._fail(watch.node, failed)
+            member._fail(self.node, failed)
         elif last is not None:
             member._answer(last)
-        return watch
-
-    def leave(self, member: NodeHealth) -> None:
-        with self._registry_lock:
-            if member in self._members:
-                self._members.remove(member)
-            if not self._members:
-                self._stopped.set()
-                if self._registry.get(self.key) is self:
-                    del self._registry[self.key]
 
     def _members_now(self) -> list[NodeHealth]:
-        with self._registry_lock:
-            return list(self._members)
+        return self.members_now()
 
     def _find_node(self) -> None:
         failures = 0
@@ -287,12 +271,6 @@ class _NodeWatch:
                 logger.warning("Cannot find the Consul node of the agent at %s: %s",
                                self.client.config.url, error)
             self._stopped.wait(min(RETRY_PAUSE * 2 ** failures, RETRY_PAUSE_MAX))
-
-    def _run(self) -> None:
-        try:
-            self._loop()
-        finally:
-            self.client.close()
 
     def _loop(self) -> None:
         self._find_node()

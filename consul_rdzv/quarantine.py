@@ -28,11 +28,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from .client import BlockingIndex, ConsulClient, KVEntry
 from .errors import ConsulError, ConsulPermissionDenied, RendezvousStateError
 from .layout import FORMAT_VERSION
+from .shared_query import SharedQuery
 
 logger = logging.getLogger(__name__)
 
@@ -210,56 +211,34 @@ class QuarantineWatch:
             self.on_change(why)
 
 
-class _KeyQuery:
+class _KeyQuery(SharedQuery):
     """One blocking query on a host's quarantine key (a daemon thread), shared by the watches
     of this process on the same key, agent and token; it ends when the last one leaves."""
 
-    _registry: dict[tuple, _KeyQuery] = {}
-    _registry_lock = threading.Lock()
+    _registry: ClassVar[dict[tuple, SharedQuery]] = {}
+    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
+    thread_name = "consul-rdzv-quarantine"
 
     def __init__(self, key: tuple, client: ConsulClient, path: str, wait: float) -> None:
-        self.key = key
+        super().__init__(key, client)
         self.path = path
-        self.client = ConsulClient(client.config, retry_timeout=client.retry_timeout)
         self.wait = wait
-        self._members: list[QuarantineWatch] = []
         self._last: tuple[dict[str, Any] | None] | None = None
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="consul-rdzv-quarantine")
 
     @classmethod
     def join(cls, member: QuarantineWatch) -> _KeyQuery:
         config = member.client.config
         key = (config.url, config.token, config.datacenter, member.key)
-        with cls._registry_lock:
-            query = cls._registry.get(key)
-            if query is None or query._stopped.is_set():
-                query = cls(key, member.client, member.key, member.wait)
-                cls._registry[key] = query
-                query._members.append(member)
-                query._thread.start()
-                return query
-            query._members.append(member)
-            last = query._last
-        if last is not None:
-            member.apply(last[0])
-        return query
+        return cls.attach(key, member,
+                          lambda: cls(key, member.client, member.key, member.wait))
 
-    def leave(self, member: QuarantineWatch) -> None:
-        with self._registry_lock:
-            if member in self._members:
-                self._members.remove(member)
-            if not self._members:
-                self._stopped.set()
-                if self._registry.get(self.key) is self:
-                    del self._registry[self.key]
+    def _snapshot(self) -> tuple[dict[str, Any] | None] | None:
+        return self._last
 
-    def _run(self) -> None:
-        try:
-            self._loop()
-        finally:
-            self.client.close()
+    def _catch_up(self, member: QuarantineWatch,
+                  snapshot: tuple[dict[str, Any] | None] | None) -> None:
+        if snapshot is not None:
+            member.apply(snapshot[0])
 
     def _loop(self) -> None:
         index = BlockingIndex()

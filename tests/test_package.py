@@ -21,7 +21,7 @@ def test_all_lists_exactly_the_public_names():
     modules = {"agents", "client", "cli", "config", "errors", "examples", "health", "heartbeat",
                "history", "join", "keeper", "layout", "liveness", "metrics", "planning",
                "quarantine", "ranks", "registration", "rendezvous", "runs", "service",
-               "settings", "standing", "testing", "torch", "watch", "worker"}
+               "settings", "shared_query", "standing", "testing", "torch", "watch", "worker"}
     assert set(consul_rdzv.__all__) == public - modules
     assert sorted(consul_rdzv.__all__) == consul_rdzv.__all__
 
