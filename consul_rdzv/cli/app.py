@@ -233,7 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        return EXIT_OK if args.command in ("watch", "exporter") else EXIT_INTERRUPTED
+        if args.command == "watch":
+            # Its watchers are daemon threads in blocking reads on the shared connection pool:
+            # end at once rather than let the interpreter's finalization race them (seen once
+            # in a dozen runs: a hang at exit, or "Exception ignored" tracebacks on stderr).
+            with contextlib.suppress(OSError, ValueError):
+                sys.stdout.flush()
+            os._exit(EXIT_OK)
+        return EXIT_OK if args.command == "exporter" else EXIT_INTERRUPTED
     except BrokenPipeError:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
