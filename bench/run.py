@@ -53,7 +53,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import platform
 import queue
 import resource
 import signal
@@ -900,17 +899,10 @@ class Run:
 def machine_info(etcd_bin: str | None, etcd_note: str) -> dict:
     import torch
 
-    from bench import servers
+    from bench import measure, servers
 
-    mem = None
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                mem = round(int(line.split()[1]) / 1024 / 1024, 1)
-    info = {"cores": os.cpu_count(), "cpu": servers.cpu_model(), "mem_gb": mem,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "torch": torch.__version__, "consul": servers.ConsulServer.version(), "etcd": None,
-            "etcd_note": etcd_note}
+    info = measure.machine()
+    info.update(torch=torch.__version__, etcd=None, etcd_note=etcd_note)
     with contextlib.suppress(Exception):
         import importlib.metadata as md
 
