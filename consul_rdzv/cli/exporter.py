@@ -70,15 +70,11 @@ def quarantined(entries: list[KVEntry], now: float) -> int:
     return count
 
 
-def fleet(reader: Reader, key_prefix: str, now: float) -> dict[str, Any]:
-    """What the exporter exposes, read from Consul now (two requests, or one more
-    per run when round histories are kept under the prefix): per run its state, its
-    nodes by state, its instances by health, its round, world size and when it was sealed."""
-    return fleet_and_hosts(reader, key_prefix, now)[0]
-
-
 def fleet_and_hosts(reader: Reader, key_prefix: str, now: float) -> tuple[dict[str, Any], int]:
-    """:func:`fleet`, and how many hosts are quarantined, from the same reads."""
+    """What the exporter exposes, read from Consul now (two requests, or one more per run when
+    round histories are kept under the prefix): per run its state, its nodes by state, its
+    instances by health, its round, world size and when it was sealed; and how many hosts are
+    quarantined."""
     found, hosts = reader.runs_and_quarantine()
     health = reader.instance_health()
     runs: dict[str, dict[str, Any]] = {}
