@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .layout import HISTORY_NAMES, HISTORY_ROUNDS, Keys, Round, RunState, history_value
+from .service import incarnation_tag
 
 #: Endings kept in the round value for the storm check (at most).
 RECENT_MAX = 50
@@ -43,7 +44,8 @@ def ending(previous: Round, state: RunState, order: list[str], now: float) -> di
         member = members.get(node)
         if member is None:
             gone.append(node)
-        elif previous.incarnations and member.incarnation != previous.incarnations[i]:
+        elif previous.incarnations and \
+                incarnation_tag(member.incarnation) != previous.incarnations[i]:
             replaced.append(node)
         elif member.modify_index > previous.members_index:
             asked.append(node)

@@ -43,6 +43,7 @@ from .planning import (
 )
 from .ranks import Candidate
 from .registration import Incarnation, Registration
+from .service import incarnation_tag
 from .settings import RendezvousSettings
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,6 @@ class RoundResult:
     rank: int
     world_size: int
     participants: list[str]
-    hosts: list[str]
     store: dict | None
     coordinator: str
     seal_id: str
@@ -322,7 +322,8 @@ class Join:
         if not current or self.node_id not in current.ranks or current.members_index < my_index:
             return False
         if current.incarnations:
-            return current.incarnations[current.ranks.index(self.node_id)] == self.incarnation.id
+            return (current.incarnations[current.ranks.index(self.node_id)]
+                    == incarnation_tag(self.incarnation.id))
         return True
 
     def _reopen(self, closed: Round, deadline: float) -> None:
@@ -391,7 +392,7 @@ class Join:
         return RoundResult(
             run_id=self.run_id, round=current.round, rank=current.ranks.index(self.node_id),
             world_size=current.world_size, participants=list(current.ranks),
-            hosts=list(current.hosts), store=current.store, coordinator=current.coordinator,
+            store=current.store, coordinator=current.coordinator,
             seal_id=current.seal_id, members_index=current.members_index,
             joined_index=current.joined_index, round_index=current.modify_index,
             min_nodes=current.min_nodes,
@@ -544,11 +545,11 @@ class Coordinator:
         seal_id = uuid.uuid4().hex
         job = previous.job if previous and previous.job else seal_id
         sealed = Round(
-            round=number, ranks=order, hosts=[state.members[n].host for n in order],
+            round=number, ranks=order,
             store=rank0.endpoint, members_index=snapshot_index,
             joined_index=max(state.members[n].modify_index for n in order),
             coordinator=join.node_id,
-            incarnations=[state.members[n].incarnation for n in order],
+            incarnations=[incarnation_tag(state.members[n].incarnation) for n in order],
             seal_id=seal_id, first_join=first_seen, quorum_at=quorum_at,
             sealed_at=now, min_nodes=settings.min_nodes,
             max_nodes=settings.max_nodes, job=job, recent=endings,
@@ -660,8 +661,7 @@ def _check_seal_fits(ops: list[dict], sealed: Round, run_id: str) -> None:
     if size <= MAX_TXN_BYTES:
         return
     longest_id = max(json_len(n) for n in sealed.ranks)
-    longest_host = max((json_len(h) for h in sealed.hosts), default=0)
-    fits = largest_world(longest_id, longest_host)
+    fits = largest_world(longest_id)
     raise RendezvousStateError(
         f"Round {sealed.round} of run {run_id} with {sealed.world_size} nodes cannot be sealed: "
         f"its transaction is {size // 1024} KiB and Consul refuses transactions over "

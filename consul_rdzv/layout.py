@@ -190,7 +190,6 @@ class Round:
 
     round: int = 0
     ranks: list[str] = field(default_factory=list)  # node ids; index = rank
-    hosts: list[str] = field(default_factory=list)
     store: dict | None = None  # {"host": ..., "port": ...} of rank 0's trainer store
     members_index: int = 0  # X-Consul-Index of the member snapshot the round was sealed from
     joined_index: int = 0  # the newest ModifyIndex among the participants' keys in that snapshot
@@ -202,7 +201,11 @@ class Round:
     min_nodes: int = 0  # the sealing coordinator's settings: they decide the round's room
     max_nodes: int = 0
     closed: dict | None = None  # {reason, at, by, outcome: "finished" / "failed" / "closed"}
-    incarnations: list[str] = field(default_factory=list)  # the process of each rank
+    #: The process of each rank: the first INCARNATION_TAG hex digits of its incarnation id
+    #: (service.incarnation_tag). Every node reads this value at each seal, so it names each
+    #: rank by as few bytes as tell processes apart: no hosts (their member keys and services
+    #: show them), no full incarnation ids.
+    incarnations: list[str] = field(default_factory=list)
     #: The job's round history as it goes (H/<job>/): its id, its totals, the last endings
     job: str = ""
     totals: dict = field(default_factory=dict)
@@ -225,11 +228,9 @@ class Round:
             ranks = [str(n) for n in _list(data, "ranks")]
             if len(set(ranks)) != len(ranks):
                 raise ValueError("a node appears twice in ranks")
-            hosts = [str(h) for h in _list(data, "hosts")]
             incarnations = [str(i) for i in _list(data, "incarnations")]
-            for name, values in (("hosts", hosts), ("incarnations", incarnations)):
-                if values and len(values) != len(ranks):
-                    raise ValueError(f"{len(values)} {name} for {len(ranks)} ranks")
+            if incarnations and len(incarnations) != len(ranks):
+                raise ValueError(f"{len(incarnations)} incarnations for {len(ranks)} ranks")
             store = data.get("store")
             if store is not None and not (
                     isinstance(store, dict) and isinstance(store.get("host"), str)
@@ -242,7 +243,7 @@ class Round:
             if not isinstance(totals, dict):
                 raise ValueError(f"totals {totals!r} is not an object")
             return cls(
-                round=int(data.get("round", 0)), ranks=ranks, hosts=hosts, store=store,
+                round=int(data.get("round", 0)), ranks=ranks, store=store,
                 members_index=int(data.get("members_index", 0)),
                 joined_index=int(data.get("joined_index", 0)),
                 incarnations=incarnations,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from .client import MAX_TXN_BYTES
 from .layout import RunState
 from .ranks import Candidate, NotReady, assign, explicit_prefix, select
+from .service import INCARNATION_TAG
 from .settings import RendezvousSettings
 
 # Consul refuses a transaction body above MAX_TXN_BYTES (512 KiB, ``txn_max_req_len``); the
@@ -154,21 +155,21 @@ def count_waiting(members: Mapping[str, MemberView], participants: list[str],
     return len(broken) + (len(newcomers) if room else 0)
 
 
-#: Per node, besides its id and host: quotes and commas, and its incarnation (32 hex digits).
-PER_NODE_FIXED = 6 + 35
+#: Per node, besides its id: its quotes and comma, and its incarnation tag with its own.
+PER_NODE_FIXED = 3 + INCARNATION_TAG + 3
 
 
-def round_bytes(world: int, node_id_len: int, host_len: int, prefix_len: int = 200) -> int:
+def round_bytes(world: int, node_id_len: int, prefix_len: int = 200) -> int:
     """Upper estimate of the seal transaction's size for ``world`` nodes."""
-    per_node = node_id_len + host_len + PER_NODE_FIXED
+    per_node = node_id_len + PER_NODE_FIXED
     raw = world * per_node + ROUND_OVERHEAD // 2
     return math.ceil(raw * 4 / 3) + ROUND_OVERHEAD // 2 + 2 * prefix_len
 
 
-def largest_world(node_id_len: int, host_len: int, prefix_len: int = 200) -> int:
+def largest_world(node_id_len: int, prefix_len: int = 200) -> int:
     """The largest world whose sealed round fits Consul's transaction limit."""
     budget = (MAX_TXN_BYTES - ROUND_OVERHEAD // 2 - 2 * prefix_len) * 3 / 4 - ROUND_OVERHEAD // 2
-    return max(0, int(budget // (node_id_len + host_len + PER_NODE_FIXED)))
+    return max(0, int(budget // (node_id_len + PER_NODE_FIXED)))
 
 
 def json_len(text: str) -> int:

@@ -118,7 +118,7 @@ class ConsulRendezvous:
         if not valid_node_id(self.node_id):
             raise ValueError(f"node id {self.node_id!r} is invalid: use {NODE_ID_RULE}.")
         self.host = host or socket.gethostname()
-        _check_round_fits(settings, self.node_id, self.host)
+        _check_round_fits(settings, self.node_id)
         self.incarnation = Incarnation.new()
         self.registration = Registration(self.client, settings, node_id=self.node_id,
                                          host=self.host, incarnation=self.incarnation,
@@ -652,15 +652,15 @@ class ConsulRendezvous:
                                            wait=self.settings.watch_wait))
 
 
-def _check_round_fits(settings: RendezvousSettings, node_id: str, host: str) -> None:
+def _check_round_fits(settings: RendezvousSettings, node_id: str) -> None:
     """Refuse a max_nodes whose sealed round could not fit Consul's transaction limit."""
-    id_len, host_len = json_len(node_id), json_len(host)
-    if round_bytes(settings.max_nodes, id_len, host_len, len(settings.prefix)) <= MAX_TXN_BYTES:
+    id_len = json_len(node_id)
+    if round_bytes(settings.max_nodes, id_len, len(settings.prefix)) <= MAX_TXN_BYTES:
         return
-    fits = largest_world(id_len, host_len, len(settings.prefix))
+    fits = largest_world(id_len, len(settings.prefix))
     raise ValueError(
         f"max_nodes={settings.max_nodes} does not fit in Consul: a sealed round names every "
-        f"node (ids like {node_id!r}, {id_len} characters, on hosts like {host!r}) in one "
+        f"node (ids like {node_id!r}, {id_len} characters) in one "
         f"transaction, and Consul refuses transactions over {MAX_TXN_BYTES // 1024} KiB. The "
         f"largest world that fits with such names is about {fits} nodes: use shorter node ids "
         "(rdzv conf node_id) or a lower max_nodes."

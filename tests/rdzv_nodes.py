@@ -44,7 +44,7 @@ def assert_round_ok(results: Mapping[str, RoundResult], min_nodes: int, max_node
     """The invariants of one round, from the results its participants got (node id -> result).
 
     Ranks are exactly 0..W-1, one per participant; every participant agrees on the round number,
-    the world size, the rank map (participants and hosts), the store endpoint and the seal; the
+    the world size, the rank map (participants), the store endpoint and the seal; the
     store is rank 0's endpoint; min_nodes <= W <= max_nodes; and exactly the participants got it.
     """
     assert results, "no results"
@@ -54,13 +54,12 @@ def assert_round_ok(results: Mapping[str, RoundResult], min_nodes: int, max_node
     assert len(first.participants) == world == len(set(first.participants)), first.participants
     assert set(results) == set(first.participants), (sorted(results), first.participants)
     assert sorted(r.rank for r in results.values()) == list(range(world))
-    shared = ("run_id", "round", "world_size", "participants", "hosts", "store", "coordinator",
+    shared = ("run_id", "round", "world_size", "participants", "store", "coordinator",
               "seal_id", "members_index")
     for node_id, result in results.items():
         for name in shared:
             assert getattr(result, name) == getattr(first, name), (node_id, name, result, first)
         assert result.participants[result.rank] == node_id, (node_id, result.rank, result)
-    assert len(first.hosts) == world
     assert first.round >= 1
     assert first.store == endpoint_for(first.participants[0]), first.store
     assert first.coordinator, first

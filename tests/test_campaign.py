@@ -65,7 +65,7 @@ NODE_OF = {1: "a", 2: "b", 3: "c", 4: "a"}
 def seal(number: int, ranks: list[str], *, serials: dict[str, int] | None = None,
          seal_id: str | None = None, **changes) -> dict:
     serials = serials or {"a": 1, "b": 2, "c": 3}
-    value = {"round": number, "ranks": ranks, "hosts": list(ranks),
+    value = {"round": number, "ranks": ranks,
              "store": endpoint_for(ranks[0], serials[ranks[0]]), "members_index": 10 * number,
              "coordinator": ranks[0], "seal_id": seal_id or f"s{number}"}
     value.update(changes)
@@ -76,7 +76,7 @@ def report(value: dict, node: str, serial: int, **changes) -> dict:
     ranks = value["ranks"]
     event = {"event": "round", "serial": serial, "node_id": node, "round": value["round"],
              "rank": ranks.index(node) if node in ranks else 0, "world_size": len(ranks),
-             "participants": ranks, "hosts": value["hosts"], "store": value["store"],
+             "participants": ranks, "store": value["store"],
              "members_index": value["members_index"], "coordinator": value["coordinator"],
              "seal_id": value["seal_id"]}
     event.update(changes)
@@ -111,8 +111,6 @@ def _case(case: str) -> tuple[list[dict], list[dict], int]:
         reports[1]["rank"] = 0
     elif case == "world_size":
         return [], consul(seal(1, ["a", "b", "c"])), 2
-    elif case == "hosts":
-        return [], consul(seal(1, ["a", "b"], hosts=["a", "x"])), 3
     elif case == "store_endpoint":  # nobody advertised it
         return [], consul(seal(1, ["a", "b"], store={"host": "elsewhere", "port": 1})), 3
     elif case == "stale store":  # a's process p4 is rank 0 but the round has p1's endpoint
@@ -137,7 +135,7 @@ def _case(case: str) -> tuple[list[dict], list[dict], int]:
 
 @pytest.mark.parametrize(("case", "expected"), [
     ("ranks", "ranks"), ("wrong rank", "ranks"), ("world_size", "world_size"),
-    ("hosts", "hosts"), ("store_endpoint", "store_endpoint"), ("stale store", "store_endpoint"),
+    ("store_endpoint", "store_endpoint"), ("stale store", "store_endpoint"),
     ("disagreement", "disagreement"), ("sealed_twice", "sealed_twice"),
     ("round_not_increasing", "round_not_increasing"), ("not_a_participant", "not_a_participant"),
     ("node_twice_in_round", "node_twice_in_round"), ("round_went_back", "round_went_back"),

@@ -113,7 +113,7 @@ def test_the_coordinator_admits_no_held_out_member_nor_counts_it_toward_min_node
     assert plan.seal is None
     assert "1 of min_nodes 2" in plan.reason and 'c: node in maintenance: "swap PSU"' in plan.detail
     # a survivor held out after the round: the others re-seal at once (nobody new)
-    current = Round(round=3, ranks=["a", "b", "c"], hosts=["a", "b", "c"], store=None,
+    current = Round(round=3, ranks=["a", "b", "c"], store=None,
                     members_index=20)
     state = _state([_member("a", 21), _member("b", 22), _member("c", 23, "check gpu critical")],
                    current)

@@ -17,6 +17,7 @@ from consul_rdzv.client import MAX_TXN_OPS, txn_kv
 from consul_rdzv.errors import RendezvousClosedError
 from consul_rdzv.layout import HISTORY_ROUNDS, History, Member, Round, RunState, history_value
 from consul_rdzv.planning import MAX_TXN_BYTES
+from consul_rdzv.service import INCARNATION_TAG
 
 CLI = [sys.executable, "-m", "consul_rdzv.cli"]
 
@@ -132,7 +133,7 @@ def test_only_the_last_rounds_are_kept_in_detail(nodes):
     transaction and counts on in the totals."""
     job = "seeded-job"
     nodes.admin.kv_put(nodes.keys.round, Round(
-        round=1500, ranks=["ghost"], hosts=["h"], incarnations=["x"], seal_id="s", job=job,
+        round=1500, ranks=["ghost"], incarnations=["x"], seal_id="s", job=job,
         sealed_at=time.time() - 5, totals={"rounds": 1500, "restarts": 1499, "lost": 10.0,
                                            "trained": 100.0, "since": 1.0}).encode())
     for n in (500, 501, 502):
@@ -254,14 +255,14 @@ def test_a_seal_at_the_transaction_limit_gives_up_the_history_not_the_round(node
     gone = [f"gone-{i:02d}-{long_id}" for i in range(16)]
     job, now = "edge-job", time.time()
     nodes.admin.kv_put(nodes.keys.round, Round(
-        round=7, ranks=gone, hosts=["h" * 160] * 16, incarnations=["x"] * 16, seal_id="s",
+        round=7, ranks=gone, incarnations=["x"] * 16, seal_id="s",
         job=job, members_index=1, sealed_at=now - 5,
         totals={"rounds": 7, "restarts": 6, "since": now - 100}).encode())
 
     def seal_bytes(world: int, with_history: bool) -> int:
         """The seal transaction's size for ``world`` such members (as join.py builds it)."""
         names = [f"{i:05d}-{long_id}" for i in range(world - 1)] + ["a"]
-        sealed = Round(round=8, ranks=names, hosts=["h" * 160] * world, incarnations=[""] * world,
+        sealed = Round(round=8, ranks=names, incarnations=["0" * INCARNATION_TAG] * world,
                        store={"host": "127.0.0.1", "port": 65535}, members_index=10 ** 6,
                        joined_index=10 ** 6, coordinator="a", seal_id="f" * 32,
                        first_join=now, quorum_at=now, sealed_at=now, min_nodes=world,
@@ -276,10 +277,10 @@ def test_a_seal_at_the_transaction_limit_gives_up_the_history_not_the_round(node
         return len(json.dumps(ops))
 
     # a margin on both sides: the estimate is not the coordinator's very transaction
-    world = next(w for w in range(800, 1400) if seal_bytes(w, True) > MAX_TXN_BYTES + 1500)
+    world = next(w for w in range(1500, 3000) if seal_bytes(w, True) > MAX_TXN_BYTES + 1500)
     assert seal_bytes(world, False) < MAX_TXN_BYTES - 1500, "no room between the two sizes"
-    members = [Member(node=f"{i:05d}-{long_id}", host="h" * 160, pid=1)
-               for i in range(world - 1)]
+    members = [Member(node=f"{i:05d}-{long_id}", host="h" * 160, pid=1,
+                      incarnation=f"{i:032x}") for i in range(world - 1)]
     ops = [txn_kv("set", nodes.keys.member(m.node), value=m.encode()) for m in members]
     for start in range(0, len(ops), MAX_TXN_OPS):
         nodes.admin.txn(ops[start:start + MAX_TXN_OPS])

@@ -289,10 +289,10 @@ def test_max_nodes_too_large_for_consul_is_refused_at_creation_naming_the_limit(
 
 def test_round_too_large_for_consul_is_a_state_error(nodes):
     """Nodes with short ids pass the check at creation, but the members who arrive have long
-    ids and host names: the seal would exceed Consul's limit and fails with a clear error."""
-    count = 1800
-    members = [Member(node=f"{i:05d}-" + "n" * 150, host="h" * 160, pid=1)
-               for i in range(count)]
+    ids: the seal would exceed Consul's limit and fails with a clear error."""
+    count = 2600
+    members = [Member(node=f"{i:05d}-" + "n" * 150, host="h" * 160, pid=1,
+                      incarnation=f"{i:032x}") for i in range(count)]
     ops = [txn_kv("set", nodes.keys.member(m.node), value=m.encode()) for m in members]
     for i in range(0, len(ops), 64):
         nodes.admin.txn(ops[i:i + 64])

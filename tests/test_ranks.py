@@ -21,6 +21,7 @@ from consul_rdzv.planning import (
     round_bytes,
 )
 from consul_rdzv.ranks import Candidate, NotReady, assign, explicit_prefix, natural_key, select
+from consul_rdzv.service import incarnation_tag
 from consul_rdzv.settings import RendezvousSettings
 
 # ----------------------------------------------------------------------------- helpers
@@ -324,23 +325,22 @@ def test_round_size_estimate_bounds_the_real_document():
     from consul_rdzv.client import txn_kv
 
     ids = [f"{'n' * 150}-{i:05d}" for i in range(1000)]
-    hosts = [f"host-{i:04d}.example.internal" for i in range(1000)]
-    doc = Round(round=7, ranks=ids, hosts=hosts, store={"host": "h", "port": 1},
+    doc = Round(round=7, ranks=ids, store={"host": "h", "port": 1},
                 members_index=123456, coordinator=ids[0], seal_id="f" * 32, first_join=1e9,
                 quorum_at=1e9, sealed_at=1e9, min_nodes=1000, max_nodes=1000,
-                incarnations=["0123456789abcdef" * 2] * 1000).encode()
+                incarnations=[incarnation_tag("0123456789abcdef" * 2)] * 1000).encode()
     prefix = "p" * 200
     ops = [txn_kv("check-session", f"{prefix}/round/leader", session="s" * 36),
            txn_kv("cas", f"{prefix}/round/current", value=doc, index=999999)]
     real = len(json.dumps(ops))
-    estimate = round_bytes(1000, max(map(len, ids)), max(map(len, hosts)), len(prefix))
+    estimate = round_bytes(1000, max(map(len, ids)), len(prefix))
     assert real <= estimate < real * 1.1
 
 
 def test_largest_world_fits_and_one_more_does_not():
-    for id_len, host_len in ((160, 160), (30, 12), (160, 1)):
-        fits = largest_world(id_len, host_len)
-        assert round_bytes(fits, id_len, host_len) <= MAX_TXN_BYTES
-        assert round_bytes(fits + 2, id_len, host_len) > MAX_TXN_BYTES
-    assert 1000 < largest_world(160, 160) < 1200  # long names: about 1,100 nodes
+    for id_len in (160, 30, 1):
+        fits = largest_world(id_len)
+        assert round_bytes(fits, id_len) <= MAX_TXN_BYTES
+        assert round_bytes(fits + 2, id_len) > MAX_TXN_BYTES
+    assert 2000 < largest_world(160) < 2200  # 160-character ids: about 2,100 nodes
     assert largest_world(30, 12) > 4500  # the default node ids: far beyond real jobs

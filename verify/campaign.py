@@ -43,7 +43,7 @@ be joining, how long an election takes).
 **Invariants** (:func:`check_invariants`), on every sealed round, from what every node reported
 and from every value of ``P/round/current`` the watcher saw: ranks exactly 0..W-1 and unique (and
 each node's rank is its index in the participants); every report of a round number agrees on
-the round, world size, participants, hosts, trainer-store endpoint and seal id, and with
+the round, world size, participants, trainer-store endpoint and seal id, and with
 Consul; min_nodes <= W <= max_nodes; one seal per round number; a process never returns a round
 number lower than or equal to one it returned before; no two processes of one node id in the
 same round; the store is the endpoint advertised by the process of rank 0; round numbers in

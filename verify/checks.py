@@ -16,8 +16,7 @@ from pathlib import Path
 def seal_of(values: dict) -> dict:
     """The sealed content of a round, from a node's report or a ``P/round/current`` value."""
     ranks = values.get("participants", values.get("ranks")) or []
-    return {"round": values.get("round"), "ranks": list(ranks),
-            "hosts": list(values.get("hosts") or []), "store": values.get("store"),
+    return {"round": values.get("round"), "ranks": list(ranks), "store": values.get("store"),
             "members_index": values.get("members_index"),
             "coordinator": values.get("coordinator"), "seal_id": values.get("seal_id")}
 
@@ -63,9 +62,6 @@ def check_invariants(reports: list[dict], consul_values: list[dict],
         if not min_nodes <= len(ranks) <= max_nodes:
             violation("world_size", number, f"round {number} has W={len(ranks)} outside "
                       f"[{min_nodes}, {max_nodes}]", seal=seal, source=source)
-        if seal["hosts"] != ranks:  # a campaign node's host is its node id
-            violation("hosts", number, f"round {number} hosts {seal['hosts']} do not match "
-                      f"its ranks {ranks}", seal=seal, source=source)
         if ranks and seal["store"] not in endpoints_of.get(ranks[0], []):
             violation("store_endpoint", number, f"round {number} store {seal['store']} is no "
                       f"endpoint rank 0 ({ranks[0]}) ever advertised", seal=seal, source=source,

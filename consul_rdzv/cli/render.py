@@ -22,7 +22,7 @@ def _node_row(rank: int | None, node: str, member: Member | None, inst: Instance
               fallback_address: str = "") -> dict[str, Any]:
     # The trainer-store host the node advertises (torchrun's --local-addr), as the round's
     # store shows it; else its service instance's Address (the same under torchrun); for a
-    # node already gone from Consul, what the sealed round recorded (rank 0: the store's host).
+    # node already gone from Consul, rank 0's store host (the sealed round records it).
     endpoint = (member.endpoint or {}) if member else {}
     address = (endpoint.get("host") or (inst.address if inst else "") or fallback_address
                or fallback_host or (member.host if member else ""))
@@ -64,7 +64,8 @@ def status_doc(view: RunView) -> dict[str, Any]:
             st = "critical"
         else:
             st = "active"
-        host = sealed.hosts[rank] if rank < len(sealed.hosts) else ""
+        # the round records no hosts: the member key says, else the service's meta
+        host = (inst.meta.get("host") or "") if inst else ""
         rows.append(_node_row(rank, node, member, inst, host, st, now,
                               store_host if rank == 0 else ""))
     in_round = set(sealed.ranks) if sealed else set()
