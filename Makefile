@@ -54,8 +54,9 @@ unit: $(BIN)/.installed
 	$(BIN)/python -m pytest -m unit -q
 
 # pytest-xdist workers of the main run (0: one process). Most tests wait on Consul, on
-# timeouts or on child processes, so 4 workers keep 2 cores busy; --dist loadgroup keeps the
-# tests of one xdist_group (those on the shared Consul cluster) on one worker, one at a time.
+# timeouts or on child processes, so 4 workers keep 2 cores busy. Tests go out one at a time
+# (--dist load), the tests on clusters first: each worker runs its share of them on a cluster
+# of its own, then stops it (tests/conftest.py).
 TEST_WORKERS ?= 4
 
 # ruff, then the main run and the other CPython versions' runs at the same time (mostly
@@ -68,7 +69,7 @@ test: consul lint
 # The main run requires torch: a torch that cannot be imported is one error, not skipped tests.
 test-main: consul
 	@began=$$(date +%s); \
-	CONSUL_RDZV_REQUIRE_TORCH=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup \
+	CONSUL_RDZV_REQUIRE_TORCH=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist load \
 	    --durations=15 && \
 	echo "== main run: $$(( $$(date +%s) - began ))s"
 

@@ -6,7 +6,8 @@ Consul (real agents from consul_testing/, the harness at the repository's root):
 * ``session_agent``, ``acl_agent``, ``tls_agent``, ``mtls_agent``: dev agents shared by the
   session; ``agent``: the shared dev agent with CONSUL_HTTP_ADDR pointing at it; ``consul``: a
   client of it; ``fresh_agent``: a dev agent of the test's own (to stop, restart or freeze).
-* ``consul_cluster``: a real cluster (3 servers, 2 client agents) shared by the session;
+* ``consul_cluster``: a real cluster (3 servers, 2 client agents) shared by the consecutive
+  tests of a process (an xdist worker) that use it, stopped once the next test does not;
   ``cluster``: the same, healthy at the start of the test and restored after it.
 
 A run (tests/rdzv_nodes.py, tests/torch_handlers.py):
@@ -92,10 +93,9 @@ AGENT_FIXTURES = frozenset({"session_agent", "acl_agent", "tls_agent", "mtls_age
 NO_CONSUL_IN_UNIT_TESTS = "/nonexistent/a-unit-test-runs-no-consul--mark-it-pytest.mark.consul"
 
 
-#: The xdist group (``make test`` runs ``--dist loadgroup``) of every test that starts a
-#: multi-member cluster: one worker runs them all, so that one shared cluster (and one 127.X
-#: block, one set of ``ip rule`` partitions) exists at a time.
-CLUSTER_GROUP = "cluster"
+#: The marker of a test that starts a multi-member cluster of its own (tests on the shared one
+#: ask for ``consul_cluster``): scheduled first, as those are (:func:`_schedule_order`).
+CLUSTER_MARKER = "cluster"
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -103,8 +103,7 @@ def pytest_collection_modifyitems(config, items):
     """The unit tier: every test that asks for no agent fixture (directly or through another
     fixture) and is marked neither ``consul`` (it runs the Consul binary by itself) nor
     ``slow`` (real torchrun jobs) gets the ``unit`` marker (``make unit``, ``pytest -m unit``).
-    A test marked ``unit`` by hand that needs an agent is a usage error. Every test on the
-    shared cluster is in the :data:`CLUSTER_GROUP`."""
+    A test marked ``unit`` by hand that needs an agent is a usage error."""
     for item in items:
         agents = sorted(AGENT_FIXTURES & set(item.fixturenames))
         other = [m for m in ("consul", "slow") if item.get_closest_marker(m)]
@@ -116,17 +115,17 @@ def pytest_collection_modifyitems(config, items):
                     "no agent. Remove the unit marker, or the agent from the test.")
         elif not agents and not other:
             item.add_marker(pytest.mark.unit)
-        if "consul_cluster" in item.fixturenames and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP))
     if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts alike
         items.sort(key=_schedule_order)
 
 
 def _schedule_order(item: pytest.Item) -> int:
-    """The order xdist hands tests out: the longest first, so that no long test is left for
-    the end while the other workers idle. The cluster's group is one long chain; then the
-    torchrun jobs; then the other tests on agents; the unit tests fill the gaps."""
-    if item.get_closest_marker("xdist_group"):
+    """The order xdist hands tests out (``--dist load``: one at a time, round robin, then to
+    whichever worker is free): the tests on clusters first, so that each worker runs its share
+    of them one after another on one cluster and then stops it; then the torchrun jobs, the
+    longest tests, so that none is left for the end while the other workers idle; then the
+    other tests on agents; the unit tests fill the gaps."""
+    if "consul_cluster" in item.fixturenames or item.get_closest_marker(CLUSTER_MARKER):
         return 0
     if item.get_closest_marker("slow"):
         return 1
@@ -199,13 +198,52 @@ def fresh_agent(request, monkeypatch):
     return a
 
 
-@pytest.fixture(scope="session")
-def consul_cluster(request):
-    """A real cluster shared by the session: 3 servers and 2 client agents, each on its own
-    127.X.Y.Z (see :class:`ConsulCluster`). Tests that inject failures use ``cluster``."""
-    c = ConsulCluster(servers=3, clients=2).start()
-    request.addfinalizer(c.close)
-    return c
+#: This process's shared cluster while consecutive tests use it (:func:`consul_cluster`).
+_shared_cluster: ConsulCluster | None = None
+
+
+@pytest.fixture
+def consul_cluster():
+    """A real cluster shared by the consecutive tests of this process (an xdist worker) that
+    ask for it: 3 servers and 2 client agents, each on its own 127.X.Y.Z of a random block
+    (see :class:`ConsulCluster`: clusters of several workers coexist). Started by the first
+    such test, stopped after the last one before a test that does not use it
+    (:func:`pytest_runtest_teardown`): an idle cluster costs 5 agents' CPU for the rest of the
+    run. Tests that inject failures use ``cluster``."""
+    global _shared_cluster
+    if _shared_cluster is None:
+        _shared_cluster = ConsulCluster(servers=3, clients=2).start()
+    return _shared_cluster
+
+
+def _uses_shared_cluster(item: pytest.Item | None) -> bool:
+    """Whether ``item`` asks for this conftest's ``consul_cluster`` (a module may define its
+    own, tests/test_consul_life.py)."""
+    fixtureinfo = getattr(item, "_fixtureinfo", None)
+    if fixtureinfo is None:
+        return False
+    defs = fixtureinfo.name2fixturedefs.get("consul_cluster") or ()
+    return bool(defs) and getattr(defs[-1].func, "__module__", None) == __name__
+
+
+def _stop_shared_cluster() -> None:
+    global _shared_cluster
+    if _shared_cluster is not None:
+        cluster, _shared_cluster = _shared_cluster, None
+        cluster.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test's teardown: the shared cluster stops unless the next test uses it (xdist
+    keeps one test pending on a worker, so ``nextitem`` is known until the worker's last)."""
+    yield
+    if not _uses_shared_cluster(nextitem):
+        _stop_shared_cluster()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _stop_shared_cluster()
 
 
 @pytest.fixture

@@ -437,7 +437,7 @@ def team_cluster():
 
 @pytest.mark.consul
 @pytest.mark.timeout(180)
-@pytest.mark.xdist_group("cluster")  # it starts a cluster: one at a time (conftest.py)
+@pytest.mark.cluster  # it starts a cluster of its own: scheduled first (conftest.py)
 def test_two_teams_cannot_touch_each_others_runs(team_cluster, tmp_path):
     from consul_rdzv.client import ConsulClient
     from consul_rdzv.config import ConsulConfig

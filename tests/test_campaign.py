@@ -198,7 +198,7 @@ def test_check_missed_rounds_accepts_a_round_not_meant_for_it_or_not_missed(case
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("cluster")  # it starts a cluster: one at a time (conftest.py)
+@pytest.mark.cluster  # it starts a cluster of its own: scheduled first (conftest.py)
 def test_short_campaign_on_a_cluster_keeps_every_invariant(tmp_path):
     cfg = CampaignConfig(seed=20261203, rounds=50, gap=(1.5, 4.0), kinds=dict(KINDS),
                          max_seconds=300.0, stall_timeout=60.0)

@@ -27,8 +27,8 @@ from consul_testing import (
     pick_loopback_block,
 )
 
-#: Each test starts clusters: in conftest.py's cluster group, one at a time on one xdist worker.
-pytestmark = pytest.mark.xdist_group("cluster")
+#: Each test starts clusters of its own (or uses the shared one): scheduled first (conftest.py).
+pytestmark = pytest.mark.cluster
 
 needs_partitions = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None,
