@@ -54,9 +54,11 @@ unit: $(BIN)/.installed
 	$(BIN)/python -m pytest -m unit -q
 
 # pytest-xdist workers of the main run (0: one process). Most tests wait on Consul, on
-# timeouts or on child processes, so 4 workers keep 2 cores busy. Tests go out one at a time
-# (--dist load), the tests on clusters first: each worker runs its share of them on a cluster
-# of its own, then stops it (tests/conftest.py).
+# timeouts or on child processes, so 4 workers keep 2 cores busy. Tests go out one at a time,
+# in tests/conftest.py's order, to whichever worker is free (--maxschedchunk 1; plain
+# --dist load hands each worker a quarter of its share at once: the first worker got every
+# test on a cluster, one after another): the tests on clusters first, each worker runs its
+# share of them on a cluster of its own, then stops it; then the longest.
 TEST_WORKERS ?= 4
 
 # ruff, then the main run and the other CPython versions' runs at the same time (mostly
@@ -69,7 +71,7 @@ test: consul lint
 # The main run requires torch: a torch that cannot be imported is one error, not skipped tests.
 test-main: consul
 	@began=$$(date +%s); \
-	CONSUL_RDZV_REQUIRE_TORCH=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist load \
+	CONSUL_RDZV_REQUIRE_TORCH=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist load --maxschedchunk 1 \
 	    --durations=15 && \
 	echo "== main run: $$(( $$(date +%s) - began ))s"
 

@@ -120,7 +120,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _schedule_order(item: pytest.Item) -> int:
-    """The order xdist hands tests out (``--dist load``: one at a time, round robin, then to
+    """The order xdist hands tests out (``make test``: ``--maxschedchunk 1``, one at a time to
     whichever worker is free): the tests on clusters first, so that each worker runs its share
     of them one after another on one cluster and then stops it; then the torchrun jobs, the
     longest tests, so that none is left for the end while the other workers idle; then the
