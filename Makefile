@@ -27,7 +27,7 @@ CORE_TESTS := tests/test_client.py tests/test_rendezvous.py tests/test_cli.py \
 CORE_DESELECT := agent_restart or agent_down or frozen or coordinator_killed or killed_node \
 	or read_timeout_plus_retry
 
-.PHONY: demo test test-main unit test-pythons lint consul bench dist smoke clean
+.PHONY: demo test test-main unit test-pythons lint ruff mypy consul bench dist smoke clean
 
 # consul_rdzv/__init__.py holds the version: reinstalling refreshes the editable metadata.
 $(BIN)/.installed: pyproject.toml consul_rdzv/__init__.py
@@ -43,8 +43,12 @@ consul: $(BIN)/.installed
 demo: consul
 	$(BIN)/python -m consul_rdzv.cli demo
 
-lint: $(BIN)/.installed
+lint: ruff mypy
+
+ruff: $(BIN)/.installed
 	$(BIN)/ruff check .
+
+mypy: $(BIN)/.installed
 	$(BIN)/mypy
 
 # The unit tier: every test that needs no Consul (tests/conftest.py marks them `unit`), in
@@ -61,18 +65,18 @@ unit: $(BIN)/.installed
 # share of them on a cluster of its own, then stops it; then the longest.
 TEST_WORKERS ?= 4
 
-# ruff, then the main run and the other CPython versions' runs at the same time (mostly
-# waiting, they take little CPU); each run's output is printed when it ends (theirs from
-# .venv-X.Y/pytest.log).
-test: consul lint
-	@$(MAKE) --no-print-directory -j$(words main $(OTHER_PYTHONS)) --output-sync=target \
-	    test-main test-pythons
+# ruff, then mypy, the main run and the other CPython versions' runs at the same time (the
+# other runs mostly wait, they take little CPU); each one's output is printed when it ends
+# (the other runs' from .venv-X.Y/pytest.log). A mypy error fails `make test` once the runs end.
+test: consul ruff
+	@$(MAKE) --no-print-directory -j$(words mypy main $(OTHER_PYTHONS)) --output-sync=target \
+	    mypy test-main test-pythons
 
 # The main run requires torch: a torch that cannot be imported is one error, not skipped tests.
 test-main: consul
 	@began=$$(date +%s); \
-	CONSUL_RDZV_REQUIRE_TORCH=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist load --maxschedchunk 1 \
-	    --durations=15 && \
+	CONSUL_RDZV_REQUIRE_TORCH=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist load \
+	    --maxschedchunk 1 --durations=15 && \
 	echo "== main run: $$(( $$(date +%s) - began ))s"
 
 test-pythons: $(addprefix test-python-,$(OTHER_PYTHONS))

@@ -122,14 +122,17 @@ def pytest_collection_modifyitems(config, items):
 def _schedule_order(item: pytest.Item) -> int:
     """The order xdist hands tests out (``make test``: ``--maxschedchunk 1``, one at a time to
     whichever worker is free): the tests on clusters first, so that each worker runs its share
-    of them one after another on one cluster and then stops it; then the torchrun jobs, the
-    longest tests, so that none is left for the end while the other workers idle; then the
-    other tests on agents; the unit tests fill the gaps."""
+    of them one after another on one cluster and then stops it; then the tests marked ``long``
+    (half a minute or more), then the other torchrun jobs, so that no long test is left for
+    the end while the other workers idle; then the other tests on agents; the unit tests fill
+    the gaps."""
     if "consul_cluster" in item.fixturenames or item.get_closest_marker(CLUSTER_MARKER):
         return 0
-    if item.get_closest_marker("slow"):
+    if item.get_closest_marker("long"):
         return 1
-    return 3 if item.get_closest_marker("unit") else 2
+    if item.get_closest_marker("slow"):
+        return 2
+    return 4 if item.get_closest_marker("unit") else 3
 
 
 @pytest.hookimpl(hookwrapper=True)

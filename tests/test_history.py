@@ -295,6 +295,7 @@ def test_a_seal_at_the_transaction_limit_gives_up_the_history_not_the_round(node
     nodes.admin.kv_delete(nodes.keys.prefix + "/", recurse=True)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_torchrun_job_with_a_flapping_node_stops_instead_of_burning_its_restarts(

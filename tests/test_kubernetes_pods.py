@@ -193,6 +193,7 @@ def training(job: PodJob, world_size: int) -> bool:
 
 # ----------------------------------------------------------------------------- the tests
 
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_indexed_job_pods_train_and_a_deleted_pod_is_replaced(consul_k8s, job_token, tmp_path):
     """Three pods of indexed-job.yaml train together; one is deleted mid-training (SIGTERM):
@@ -222,6 +223,7 @@ def test_indexed_job_pods_train_and_a_deleted_pod_is_replaced(consul_k8s, job_to
               f"signal (grace {job.grace}s); the replacement pod rejoined and the job finished")
 
 
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_workers_that_outlast_the_shutdown_timeout_still_leave_within_the_grace_period(
         consul_k8s, job_token, tmp_path):

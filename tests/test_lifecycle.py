@@ -75,6 +75,7 @@ def trained_together(job: TorchrunJob, names: list[str], world_size: int) -> Non
 # ----------------------------------------------------------------------------- 1. Ctrl-C, SIGTERM
 
 
+@pytest.mark.long
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_signal_to_a_waiting_agent_leaves_without_closing_the_run(agent, prefix, run_id,
@@ -110,6 +111,7 @@ def test_signal_to_a_waiting_agent_leaves_without_closing_the_run(agent, prefix,
 # ----------------------------------------------------------------------------- 2. re-runs
 
 
+@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_the_same_command_runs_twice_on_one_run_id(agent, prefix, run_id, tmp_path):
     """Re-running a finished job (the same --rdzv-id, a re-created Kubernetes job): the second
@@ -161,6 +163,7 @@ def kept_marker_session(agent, prefix: str, run_id: str) -> str:
 # ----------------------------------------------------------------------------- 3. spare times out
 
 
+@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_spare_that_times_out_beside_a_full_round_does_not_close_the_run(agent, prefix, run_id,
                                                                          tmp_path):
@@ -191,6 +194,7 @@ def test_spare_that_times_out_beside_a_full_round_does_not_close_the_run(agent, 
 # ----------------------------------------------------------------------------- 4. SIGTERM training
 
 
+@pytest.mark.long
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
 def test_node_stopped_mid_training_leaves_at_once_and_survivors_go_on(agent, prefix, run_id,

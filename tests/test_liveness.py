@@ -116,6 +116,7 @@ def test_replaced_process_that_comes_back_stops_instead_of_taking_its_id_back(no
 # ============================================================================ 6. slow servers
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_slow_server_rpcs_never_make_a_live_node_dead(nodes, agent, caplog):
     """Every request that needs a Consul server (KV, txn, sessions) answers after 6 s, as in a

@@ -168,6 +168,7 @@ def test_participant_whose_workers_fail_after_the_job_finished_does_not_ask_for_
     stays(lambda: c.num_nodes_waiting() == 0, 2 * SHORT_WAIT, "c was asked to restart")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_node_that_finishes_long_before_the_others_lets_them_finish(agent, prefix, run_id,
@@ -216,6 +217,7 @@ def everything_of(agent, prefix: str, run_ids: list[str]) -> list[str]:
         client.close()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_runs_that_ended_every_way_leave_nothing_in_consul(agent, prefix, tmp_path, capsys):
@@ -358,6 +360,7 @@ def gated(agent, settings: RendezvousSettings) -> GatedClient:
                        retry_timeout=settings.consul_timeout)
 
 
+@pytest.mark.long
 def test_a_rewrite_and_a_spare_leaving_in_one_watch_answer_end_the_round(agent, nodes):
     """(a) b asks for a new round while a spare leaves, both before a's watch asks again: the
     answer's names only show the spare gone. a reads the values and sees b's rewrite."""

@@ -60,6 +60,7 @@ def member_keys(agent, prefix: str, run_id: str) -> list[str]:
 # ----------------------------------------------------------------------------- happy path
 
 
+@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_three_nodes_train_and_finish(agent, prefix, run_id, tmp_path):
     with TorchrunJob(tmp_path, agent.address, run_id, nnodes="3", rdzv_conf=fast_conf(prefix),
@@ -92,6 +93,7 @@ def test_three_nodes_train_and_finish(agent, prefix, run_id, tmp_path):
 # ----------------------------------------------------------------------------- elasticity
 
 
+@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_killed_node_survivors_continue_in_a_smaller_world(agent, prefix, run_id, tmp_path):
     with TorchrunJob(tmp_path, agent.address, run_id, nnodes="2:3", max_restarts=3,
@@ -126,6 +128,7 @@ def test_killed_node_survivors_continue_in_a_smaller_world(agent, prefix, run_id
         assert kill_to_round < 15, f"survivors took {kill_to_round:.1f}s\n{job.report()}"
 
 
+@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_failed_worker_group_restarts_and_finishes(agent, prefix, run_id, tmp_path):
     with TorchrunJob(tmp_path, agent.address, run_id, nnodes="2", max_restarts=1,
@@ -178,6 +181,7 @@ def test_late_node_joins_mid_training(agent, prefix, run_id, tmp_path):
 # ----------------------------------------------------------------------------- closed run
 
 
+@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_closed_run_ends_waiting_agents_and_a_new_job_reuses_the_run_id(agent, prefix, run_id,
                                                                        tmp_path):
@@ -216,6 +220,7 @@ _OUR_LINE = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ consul_rdzv/\w+\.
                        re.MULTILINE)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_waiting_agent_shows_progress_in_torchs_format_without_any_logging_setup(
         agent, prefix, run_id, tmp_path):
