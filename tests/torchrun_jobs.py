@@ -145,11 +145,34 @@ class TorchrunJob:
         return {a.name: a.proc.poll() for a in agents}
 
     def kill_all(self) -> None:
+        """SIGKILL every agent with its group, then every worker of this job still running:
+        torchrun starts each worker in a session of its own, which an agent's death leaves
+        running (one that ignores SIGTERM and trains on with its peers outlived the test run)."""
         for agent in self.agents:
             agent.kill()
         for agent in self.agents:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 agent.proc.wait(10)
+        for pid in self.worker_pids():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+    def worker_pids(self) -> list[int]:
+        """The running processes started with this job's progress file (its workers: the
+        path is this job's own)."""
+        wanted = os.fsencode(str(self.progress_path))
+        pids = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as fh:
+                    argv = fh.read().split(b"\0")
+            except OSError:
+                continue
+            if wanted in argv and int(entry.name) != os.getpid():
+                pids.append(int(entry.name))
+        return pids
 
     def __enter__(self) -> TorchrunJob:
         return self
