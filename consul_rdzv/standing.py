@@ -144,10 +144,12 @@ class Standing:
             self._watch = None
             if not own_key:
                 self.registration.mark_lost("its member key was deleted (session invalidated)")
-            self._waiting = max(self._waiting, waiting, 1)
             logger.info("Round %d of run %s is over for node %s (%s).", watch.watched.round,
                         self.run_id, self.node_id, reason)
+            # Broken first, then the count: whoever sees num_nodes_waiting() >= 1 (torchrun,
+            # then next_rendezvous() on its thread) must also see why (restart_cause).
             self.set_broken(f"round {watch.watched.round} is over ({reason})")
+            self._waiting = max(self._waiting, waiting, 1)
             # nobody watches our key any more
             self.registration.probe_session_from(
                 time.monotonic() + self.registration.settings.heartbeat_interval)
