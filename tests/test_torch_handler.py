@@ -399,7 +399,9 @@ def test_node_joins_next_round_if_rank0_store_never_comes_up(agent, prefix, run_
         agent.client(), node_id="a-ghost",
         endpoint_provider=lambda: {"host": "127.0.0.1", "port": dead_port})
     first = pool.submit(ghost.next_round)
-    wait_for(lambda: ghost.session_id is not None, 10, "the ghost registered")
+    consul = agent.client()
+    wait_for(lambda: consul.kv_keys(f"{prefix}/{run_id}/members/"), 15,
+             "the ghost announced itself first (rank 0 by join order)")
     handler = make_handler(agent.address, run_id, prefix, min_nodes=1, max_nodes=2,
                            last_call_timeout="0.5", node_id="b-survivor")
     future = pool.submit(handler.next_rendezvous)
