@@ -452,7 +452,7 @@ def render(path: Path) -> str:
     def section(heading: str, body: list[str]) -> list[str]:
         return [heading, "", *body] if body else []
 
-    out += fixed_like(t, "fixed", "fixed: min = max = N, time from release until every "
+    out += fixed_like(t, "fixed", "fixed: min = max = N, time from the start instant until every "
                       "`next_rendezvous()` returned", layouts)
     out += section("Where consul's time goes (spread layout; medians): the coordinator seals the "
                    "round, every node's `next_round()` returns, then the torch handler connects "
@@ -526,7 +526,8 @@ def round_sections(sets: list[tuple[str, RunSet]]) -> list[str]:
     out: list[str] = []
     tl = timeline_table(sets)
     if tl:
-        out += ["### The round's timeline: each node's moments, ms from the release (fixed)", "",
+        out += ["### The round's timeline: each node's moments, ms from the start instant "
+                "(fixed)", "",
                 "`entry`: `next_rendezvous()` called; `announced`: its member write answered; "
                 "`sealed`: the coordinator sealed the round; `seen`: the node saw the sealed "
                 "round (older versions: `next_round()` returned); `connected`: its TCPStore "
@@ -738,7 +739,7 @@ MARKS = {"entry": "e", "announced": "a", "sealed": "S", "seen": "v", "connected"
 
 
 def _moments(r: dict) -> dict[str, list[float]]:
-    """Every node's moments of one run (ms from the release), by moment."""
+    """Every node's moments of one run (ms from the start instant), by moment."""
     tl = r.get("timeline") or {}
     events = tl.get("events") or []
     out: dict[str, list[float]] = {e: [] for e in events}
@@ -757,7 +758,7 @@ def _q(values: list[float], q: float) -> float | None:
 
 
 def timeline_table(sets: list[tuple[str, RunSet]], topology: str | None = None) -> list[str]:
-    """Per N and version: each moment of the round (ms from the release; the node median and
+    """Per N and version: each moment of the round (ms from the start instant; the node median and
     the last node, medians over the runs), then where the last node's milliseconds went."""
     lines = ["| N | version | runs | " + " | ".join(
         f"{e} p50 / last" for e in MARKS) + " |", "|---|---|---|" + "---|" * len(MARKS)]
@@ -806,7 +807,7 @@ def timeline_plot(sets: list[tuple[str, RunSet]], topology: str | None = None,
         if not rows:
             continue
         end = max((max(v) for _, m in rows for v in m.values() if v), default=0.0) or 1.0
-        out.append(f"N = {n} (0 to {end:.0f} ms, the release at 0)")
+        out.append(f"N = {n} (0 to {end:.0f} ms, the start instant at 0)")
         for label, m in rows:
             for e, mark in MARKS.items():
                 vals = m.get(e) or []

@@ -369,9 +369,12 @@ def _round(node: Node, phase: int, out) -> None:
     out.put(rec)
 
 
-def _node_thread(node: Node, go: threading.Event, out) -> None:
+def _node_thread(node: Node, go: threading.Event, start: list[float], out) -> None:
     _tls.node = node
     go.wait()
+    delay = start[0] - time.monotonic()  # one instant for every node (bench.run.START_LEAD)
+    if delay > 0:
+        time.sleep(delay)
     _round(node, 1, out)
     while True:
         item = node.phases.get()
@@ -496,7 +499,7 @@ def _thread_cpu() -> dict[str, float]:
     return {k: round(v, 2) for k, v in groups.items() if v >= 0.005}
 
 
-def main(spec: dict, conn, go_mp, out) -> None:
+def main(spec: dict, conn, go_mp, start_mp, out) -> None:
     """Entry point of one worker process (started by the forkserver)."""
     if spec.get("hosts_file"):
         from bench.servers import use_hosts_file
@@ -532,7 +535,8 @@ def main(spec: dict, conn, go_mp, out) -> None:
         os._exit(1)
 
     go = threading.Event()
-    threads = [threading.Thread(target=_node_thread, args=(n, go, out), daemon=True,
+    start = [0.0]  # the first round's instant, read from start_mp once the release came
+    threads = [threading.Thread(target=_node_thread, args=(n, go, start, out), daemon=True,
                                 name=f"node-{n.idx}") for n in nodes]
     for t in threads:
         t.start()
@@ -542,6 +546,7 @@ def main(spec: dict, conn, go_mp, out) -> None:
         with _lock:
             HTTP_TIMES.clear()  # latencies of the round only, not of handler creation
             HTTP_BYTES.clear()
+        start[0] = start_mp.value
         go.set()
 
     threading.Thread(target=relay, daemon=True, name="go-relay").start()
