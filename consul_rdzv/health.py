@@ -53,6 +53,12 @@ HEALTH_WAIT = 300.0
 MIN_GAP = 0.2
 RETRY_PAUSE = 0.1
 RETRY_PAUSE_MAX = 5.0
+#: The health watch's query: any server answers (``stale``), and only the node-level checks
+#: (no ServiceID), the only ones that can hold a node out. Without the filter an answer holds
+#: every service check of the Consul node: on an agent that many nodes talk to (the servers,
+#: without client agents) that is every node's TTL check, parsed by every process at each
+#: check pass of any node.
+NODE_CHECKS = {"stale": "", "filter": 'ServiceID == ""'}
 #: A check's output in a reason is cut to this many characters (first line only).
 OUTPUT_CHARS = 120
 
@@ -284,7 +290,7 @@ class _NodeWatch(SharedQuery):
                 return
             try:
                 res, headers = self.client.read_with_headers(
-                    path, params={"stale": ""}, index=index.param, wait=self.wait,
+                    path, params=NODE_CHECKS, index=index.param, wait=self.wait,
                     deadline=time.monotonic())
                 self.queries += 1
             except ConsulPermissionDenied as exc:
@@ -310,9 +316,12 @@ class _NodeWatch(SharedQuery):
                     c.get("CheckID") == SERF_HEALTH and not c.get("ServiceID") for c in checks):
                 self._refused("Consul hid its checks from this token")
                 return
+            first = self._last is None
             changed = _fingerprint(checks) != _fingerprint(self._last or [])
             with self._registry_lock:
                 self._last = checks
+            if not (changed or first):
+                continue  # the same checks: every member has judged them already
             if changed:
                 # A change right after another one is a burst: read the rest of it in one
                 # answer. A lone change (a check failing) is followed by a query at once.
