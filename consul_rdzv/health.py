@@ -29,7 +29,7 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from typing import ClassVar
 
-from .client import BlockingIndex, ConsulClient
+from .client import BlockingIndex, ConsulClient, Step
 from .errors import ConsulError, ConsulPermissionDenied
 from .shared_query import SharedQuery
 
@@ -45,11 +45,11 @@ SERF_HEALTH = "serfHealth"
 OFF = "off"
 #: The longest blocking query of the health watch.
 HEALTH_WAIT = 300.0
-#: The pause before the next query after two changes within it. A node's checks change with
+#: The pause before the next query after two answers within it. A node's checks change with
 #: every round (the node's own check notes), and nodes that share one Consul node (a host's
 #: agent serving several processes, the servers without client agents) wake each other's
 #: queries: a burst is read in a few answers a second, and an eviction is at most this much
-#: later (only when it follows two other changes within it).
+#: later (only when it follows two other answers within it).
 MIN_GAP = 0.2
 RETRY_PAUSE = 0.1
 RETRY_PAUSE_MAX = 5.0
@@ -223,12 +223,14 @@ class _NodeWatch(SharedQuery):
     :class:`NodeHealth` of every node of this process that talks to the same agent with the same
     token (:meth:`join`); it ends, after its current query, when the last one leaves.
 
-    Index discipline as everywhere (:class:`BlockingIndex`). Consul answers with the index of
-    the whole checks table, so an answer may come with nothing of this node changed: it is
-    judged from data all the same (and never delays the next query). After a second change
-    within ``MIN_GAP`` the next query waits ``MIN_GAP``: a burst of changes (nodes sharing one
-    Consul node republish their check notes with every round) is read in one answer, while a
-    lone change is followed by a query at once.
+    Index discipline as everywhere (:class:`BlockingIndex`). The query asks for the node-level
+    checks only (:data:`NODE_CHECKS`), but Consul answers when any check of the node changes
+    (the TTL checks of every node that talks to this agent, too), so an answer may come with
+    nothing that counts changed: it is judged from data, and handed to the members only when
+    the checks differ from the last answer. After a second answer (index moved) within
+    ``MIN_GAP`` the next query waits ``MIN_GAP``: a burst (nodes sharing one Consul node
+    register, or republish their services with every round) is read in a few answers a
+    second, while a lone change is followed by a query at once.
     """
 
     _registry: ClassVar[dict[tuple, SharedQuery]] = {}
@@ -283,7 +285,7 @@ class _NodeWatch(SharedQuery):
         index = BlockingIndex()
         path = f"/v1/health/node/{urllib.parse.quote(self.node, safe='')}"
         failures = 0
-        gap_until = last_change = 0.0
+        gap_until = last_answer = 0.0
         while not self._stopped.is_set():
             gap = gap_until - time.monotonic()
             if gap > 0 and self._stopped.wait(gap):
@@ -307,7 +309,14 @@ class _NodeWatch(SharedQuery):
                 self._stopped.wait(min(RETRY_PAUSE * 2 ** failures, RETRY_PAUSE_MAX))
                 continue
             failures = 0
-            index.update(res.index)
+            if index.update(res.index) is Step.MOVED:
+                # An answer right after another one is a burst (registrations, passes of other
+                # nodes' checks on this Consul node): read the rest of it in one answer. A lone
+                # one (a check failing) is followed by a query at once.
+                now = time.monotonic()
+                if now - last_answer < MIN_GAP:
+                    gap_until = now + MIN_GAP
+                last_answer = now
             checks = list(res.data or [])
             # Consul filters the checks by ACL: checks of other services hidden are fine (they
             # never count); the node's own (serfHealth, every node has it) hidden means no
@@ -322,13 +331,6 @@ class _NodeWatch(SharedQuery):
                 self._last = checks
             if not (changed or first):
                 continue  # the same checks: every member has judged them already
-            if changed:
-                # A change right after another one is a burst: read the rest of it in one
-                # answer. A lone change (a check failing) is followed by a query at once.
-                now = time.monotonic()
-                if now - last_change < MIN_GAP:
-                    gap_until = now + MIN_GAP
-                last_change = now
             for member in self._members_now():
                 member._answer(checks)
 

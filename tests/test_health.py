@@ -26,7 +26,7 @@ from rdzv_nodes import Cluster, figure, stays, wait_for
 
 from consul_rdzv.client import ConsulClient, KVEntry
 from consul_rdzv.config import ConsulConfig
-from consul_rdzv.health import MAINTENANCE_CHECK, counts, judge_health, parse_health_checks
+from consul_rdzv.health import MAINTENANCE_CHECK, MIN_GAP, counts, judge_health, parse_health_checks
 from consul_rdzv.layout import Member, Round, RunState
 from consul_rdzv.planning import MemberView, count_waiting, plan_round
 from consul_rdzv.rendezvous import ConsulRendezvous
@@ -159,6 +159,36 @@ def test_nodes_of_a_process_on_one_agent_share_one_health_query(nodes):
     assert not shared._stopped.is_set()
     second.leave()
     assert shared._stopped.is_set()
+
+
+def test_a_burst_of_other_services_on_the_node_is_read_in_a_few_answers_a_second(nodes):
+    """Nodes that talk to one agent share its Consul node: each registration or republish of
+    their services wakes the health query. The query asks for the node-level checks only, and
+    after two answers within MIN_GAP it pauses, so that a burst of 120 registrations costs a
+    few answers a second, not one per registration; the node stays admitted throughout."""
+    node = nodes.node("n0", nodes.settings(min_nodes=1, max_nodes=1))
+    node.register(timeout=30)
+    assert node.health is not None
+    wait_for(lambda: node.health.queries > 0, 15, "the first health answer")
+    client = node.client
+    ids = [f"burst-{uuid.uuid4().hex[:8]}-{i}" for i in range(120)]
+    before = node.health.queries
+    began = time.monotonic()
+    try:
+        for service_id in ids:
+            client.agent_service_register({"ID": service_id, "Name": "burst",
+                                           "Check": {"CheckID": service_id, "TTL": "1h",
+                                                     "Status": "critical"}})
+        spent = time.monotonic() - began
+        answers = node.health.queries - before
+        bound = 3 * spent / MIN_GAP + 5
+        figure(f"health answers during {len(ids)} registrations in {spent:.2f} s: {answers} "
+               f"(bound {bound:.0f})")
+        assert answers <= bound, (answers, spent)
+        assert node.health_reason() == ""  # service checks never hold a node out
+    finally:
+        for service_id in ids:
+            client.agent_service_deregister(service_id)
 
 
 # ---------------------------------------------------------------------------- on real agents
