@@ -31,6 +31,7 @@ from consul_rdzv.layout import Member, Round, RunState
 from consul_rdzv.planning import MemberView, count_waiting, plan_round
 from consul_rdzv.rendezvous import ConsulRendezvous
 from consul_rdzv.settings import RendezvousSettings, settings_from_conf
+from consul_rdzv.testing import consul_binary
 
 # ---------------------------------------------------------------------------- the judgement
 
@@ -189,6 +190,54 @@ def test_a_burst_of_other_services_on_the_node_is_read_in_a_few_answers_a_second
     finally:
         for service_id in ids:
             client.agent_service_deregister(service_id)
+
+
+def test_the_health_watch_sees_a_node_check_past_its_query_wait_and_after_the_index_went_back(
+        fresh_agent, fresh_nodes, tmp_path):
+    """The node-checks query with a 1 s wait: its answers time out unchanged again and again and
+    the node stays admitted; a snapshot restore then sends the checks index below the watch's;
+    the watch starts over, and a node-level check that fails afterwards still holds the node
+    out at once, and its pass lets it in again."""
+    node = fresh_nodes.node("n0", fresh_nodes.settings(min_nodes=1, max_nodes=1,
+                                                       watch_wait=1.0))
+    node.register(timeout=30)
+    assert node.health is not None
+    wait_for(lambda: node.health.queries > 0, 15, "the first health answer")
+    first = node.health.queries
+    wait_for(lambda: node.health.queries >= first + 3, 15, "three answers past the query wait")
+    assert node.health_reason() == ""
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), **fresh_agent.env()}
+    binary = consul_binary()
+
+    def consul(*args: str) -> None:
+        proc = subprocess.run([binary, *args], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, (args, proc.stdout, proc.stderr)
+
+    client = node.client
+    path = f"/v1/health/node/{node.health.node}"
+    snapshot = tmp_path / "agent.snap"
+    consul("snapshot", "save", str(snapshot))
+    check_id = f"gpu-{uuid.uuid4().hex[:8]}"
+    # a node-level check, as an operator's GPU script registers it (no client method for that)
+    client._call("PUT", "/v1/agent/check/register",
+                 body={"ID": check_id, "Name": "GPU health", "TTL": "1h", "Status": "passing"})
+    wait_for(lambda: any(c.get("CheckID") == check_id
+                         for c in client.read_with_headers(path)[0].data or []),
+             15, "the node check in the catalog")
+    before = client.read_with_headers(path)[0].index
+    consul("snapshot", "restore", str(snapshot))
+    after = client.read_with_headers(path)[0].index
+    assert after < before, f"the checks index did not go backwards: {before} -> {after}"
+    try:
+        client.agent_check_update(check_id, "fail", note="ECC errors on GPU 3")
+        wait_for(lambda: check_id in node.health_reason(), 15,
+                 "the failing node check holds the node out after the restore")
+        assert "ECC errors on GPU 3" in node.health_reason()
+        client.agent_check_update(check_id, "pass")
+        wait_for(lambda: node.health_reason() == "", 15, "the passing check lets it in again")
+    finally:
+        client._call("PUT", f"/v1/agent/check/deregister/{check_id}")
 
 
 # ---------------------------------------------------------------------------- on real agents
