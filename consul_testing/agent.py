@@ -10,13 +10,17 @@ tls``; ``verify_incoming=True`` for mutual TLS), and failure injection: :meth:`~
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from consul_rdzv.config import ConsulConfig
 from consul_rdzv.testing import ConsulAgent as DevAgent
@@ -96,6 +100,37 @@ class ConsulAgent(DevAgent):
         }
         kwargs.update(overrides)
         return super().config(**kwargs)
+
+    # -------------------------------------------------------------- HTTP
+
+    def api(self, method: str, path: str, body: bytes | str | dict | list | None = None, *,
+            token: bool = True, timeout: float = 2.0) -> tuple[int, Any]:
+        """One plain HTTP(S) request to this agent: ``(status, decoded JSON or text)``.
+
+        Independent of :class:`ConsulClient` (no retries, no proxies, one connection per call);
+        raises ``OSError`` (refused, timeout) or ``http.client.HTTPException``.
+        """
+        if self.tls:
+            ctx = ssl.create_default_context(cafile=str(self.ca_file))
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                self.bind_host, self.port, timeout=timeout, context=ctx)
+        else:
+            conn = http.client.HTTPConnection(self.bind_host, self.port, timeout=timeout)
+        headers = {}
+        if token and self.management_token:
+            headers["X-Consul-Token"] = self.management_token
+        if isinstance(body, (dict, list)):
+            body = json.dumps(body)
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        finally:
+            conn.close()
+        try:
+            return resp.status, json.loads(raw)
+        except ValueError:
+            return resp.status, raw.decode(errors="replace")
 
     # -------------------------------------------------------------- configuration
 

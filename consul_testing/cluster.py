@@ -16,19 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import json
 import os
 import random
 import re
 import shutil
 import signal
-import ssl
 import subprocess
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 from consul_rdzv.testing import consul_binary, free_ports
 
@@ -194,37 +191,6 @@ class ClusterMember(ConsulAgent):
     def __repr__(self) -> str:
         kind = "server" if self.is_server else "client"
         return f"<ClusterMember {self.name} {kind} {self.ip}>"
-
-    # -------------------------------------------------------------- HTTP
-
-    def api(self, method: str, path: str, body: bytes | str | dict | list | None = None, *,
-            token: bool = True, timeout: float = 2.0) -> tuple[int, Any]:
-        """One plain HTTP(S) request to this member: ``(status, decoded JSON or text)``.
-
-        Independent of :class:`ConsulClient` (no retries, no proxies, one connection per call);
-        raises ``OSError`` (refused, timeout) or ``http.client.HTTPException``.
-        """
-        if self.tls:
-            ctx = ssl.create_default_context(cafile=str(self.ca_file))
-            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                self.ip, self.port, timeout=timeout, context=ctx)
-        else:
-            conn = http.client.HTTPConnection(self.ip, self.port, timeout=timeout)
-        headers = {}
-        if token and self.management_token:
-            headers["X-Consul-Token"] = self.management_token
-        if isinstance(body, (dict, list)):
-            body = json.dumps(body)
-        try:
-            conn.request(method, path, body=body, headers=headers)
-            resp = conn.getresponse()
-            raw = resp.read()
-        finally:
-            conn.close()
-        try:
-            return resp.status, json.loads(raw)
-        except ValueError:
-            return resp.status, raw.decode(errors="replace")
 
     # -------------------------------------------------------------- lifecycle
 

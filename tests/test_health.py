@@ -218,10 +218,8 @@ def test_the_health_watch_sees_a_node_check_past_its_query_wait_and_after_the_in
     path = f"/v1/health/node/{node.health.node}"
     snapshot = tmp_path / "agent.snap"
     consul("snapshot", "save", str(snapshot))
-    check_id = f"gpu-{uuid.uuid4().hex[:8]}"
-    # a node-level check, as an operator's GPU script registers it (no client method for that)
-    client._call("PUT", "/v1/agent/check/register",
-                 body={"ID": check_id, "Name": "GPU health", "TTL": "1h", "Status": "passing"})
+    checks = NodeChecks(fresh_agent).register()  # a node-level check (an operator's script)
+    check_id = checks.check_id
     wait_for(lambda: any(c.get("CheckID") == check_id
                          for c in client.read_with_headers(path)[0].data or []),
              15, "the node check in the catalog")
@@ -230,14 +228,14 @@ def test_the_health_watch_sees_a_node_check_past_its_query_wait_and_after_the_in
     after = client.read_with_headers(path)[0].index
     assert after < before, f"the checks index did not go backwards: {before} -> {after}"
     try:
-        client.agent_check_update(check_id, "fail", note="ECC errors on GPU 3")
+        checks.fail("ECC errors on GPU 3")
         wait_for(lambda: check_id in node.health_reason(), 15,
                  "the failing node check holds the node out after the restore")
         assert "ECC errors on GPU 3" in node.health_reason()
-        client.agent_check_update(check_id, "pass")
+        checks.pass_()
         wait_for(lambda: node.health_reason() == "", 15, "the passing check lets it in again")
     finally:
-        client._call("PUT", f"/v1/agent/check/deregister/{check_id}")
+        checks.remove()
 
 
 # ---------------------------------------------------------------------------- on real agents
@@ -257,8 +255,9 @@ def api_ok(member, method: str, path: str, body: dict | None = None) -> None:
 
 
 class NodeChecks:
-    """A node-level TTL check on a client agent (as an operator's GPU script would be), and
-    its maintenance mode; both removed at the end (the cluster is shared)."""
+    """A node-level TTL check on an agent (a cluster's client agent or a dev agent), as an
+    operator's GPU script would register it, and its maintenance mode; both removed at the end
+    (a cluster is shared)."""
 
     def __init__(self, member) -> None:
         self.member = member
