@@ -259,29 +259,29 @@ class NodeChecks:
     operator's GPU script would register it, and its maintenance mode; both removed at the end
     (a cluster is shared)."""
 
-    def __init__(self, member) -> None:
-        self.member = member
+    def __init__(self, agent) -> None:
+        self.agent = agent
         self.check_id = f"gpu-{uuid.uuid4().hex[:8]}"
 
     def register(self, status: str = "passing") -> NodeChecks:
-        api_ok(self.member, "PUT", "/v1/agent/check/register",
+        api_ok(self.agent, "PUT", "/v1/agent/check/register",
                {"ID": self.check_id, "Name": "GPU health", "TTL": "1h", "Status": status})
         return self
 
     def fail(self, output: str) -> None:
-        api_ok(self.member, "PUT", f"/v1/agent/check/fail/{self.check_id}?note="
+        api_ok(self.agent, "PUT", f"/v1/agent/check/fail/{self.check_id}?note="
                + output.replace(" ", "+"))
 
     def pass_(self) -> None:
-        api_ok(self.member, "PUT", f"/v1/agent/check/pass/{self.check_id}")
+        api_ok(self.agent, "PUT", f"/v1/agent/check/pass/{self.check_id}")
 
     def maintenance(self, on: bool, reason: str = "") -> None:
-        api_ok(self.member, "PUT", f"/v1/agent/maintenance?enable={'true' if on else 'false'}"
+        api_ok(self.agent, "PUT", f"/v1/agent/maintenance?enable={'true' if on else 'false'}"
                + (f"&reason={reason.replace(' ', '+')}" if reason else ""))
 
     def remove(self) -> None:
-        self.member.api("PUT", "/v1/agent/maintenance?enable=false")
-        self.member.api("PUT", f"/v1/agent/check/deregister/{self.check_id}")
+        self.agent.api("PUT", "/v1/agent/maintenance?enable=false")
+        self.agent.api("PUT", f"/v1/agent/check/deregister/{self.check_id}")
 
 
 @pytest.fixture

@@ -42,8 +42,7 @@ def test_round_value_round_trips_and_keeps_nested_values():
 
 
 def test_encoding_is_canonical_and_compact():
-    """Sorted keys, no spaces: equal states give equal bytes (a cas compares nothing else,
-    but logs and tests compare values)."""
+    """Sorted keys, no spaces: equal states give equal bytes."""
     raw = Leader(node="n", session="s", since=1.0).encode()
     assert raw == b'{"node":"n","session":"s","since":1.0,"v":%d}' % FORMAT_VERSION
     drain = Drain(node="n", incarnation="i", by="op", reason="r", at=3.0, modify_index=5)
