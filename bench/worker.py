@@ -13,8 +13,9 @@ What is patched here, and why (counting and loopback only; no rendezvous logic i
 * ``urllib3.PoolManager.urlopen`` counts every HTTP request of a python-etcd client (one
   ``PoolManager`` per client, so per node); requests made inside ``EtcdStore`` methods (the
   MASTER_ADDR/PORT bootstrap) are tagged ``store``, everything else ``rdzv``.
-* ``urllib3.HTTPConnectionPool.urlopen`` counts the HTTP requests of the whole process (every
-  backend): a cross-check of the per-node figures.
+* ``http.client.HTTPConnection.putrequest`` counts the HTTP requests of the whole process
+  (every backend: consul_rdzv's connections and urllib3's are both ``http.client``'s): a
+  cross-check of the per-node figures.
 * ``RendezvousStoreInfo.build`` counts the c10d bootstrap store operations per node.
 * ``ConsulClient._request`` and ``consul_rdzv.torch.TCPStore`` are timed (Consul latency per
   endpoint; the trainer-store connect inside the consul handler's ``next_rendezvous()``).
@@ -39,6 +40,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import http.client
 import json
 import logging
 import os
@@ -126,14 +128,14 @@ def install_hooks() -> None:
 
     urllib3.PoolManager.urlopen = pm_urlopen
 
-    original_cp_urlopen = urllib3.connectionpool.HTTPConnectionPool.urlopen
+    original_putrequest = http.client.HTTPConnection.putrequest
 
-    def cp_urlopen(self, method, url, *args, **kw):
+    def putrequest(self, method, url, *args, **kw):
         with _lock:
             WIRE[method] += 1
-        return original_cp_urlopen(self, method, url, *args, **kw)
+        return original_putrequest(self, method, url, *args, **kw)
 
-    urllib3.connectionpool.HTTPConnectionPool.urlopen = cp_urlopen
+    http.client.HTTPConnection.putrequest = putrequest
 
     if EtcdStore is not None:
         for name in ("set", "get", "add", "wait", "check", "compare_set", "multi_get",

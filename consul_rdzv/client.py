@@ -17,9 +17,9 @@ import base64
 import enum
 import json
 import logging
-import os
 import random
 import re
+import ssl
 import threading
 import time
 import urllib.parse
@@ -27,11 +27,6 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
-
-import urllib3
-from urllib3.exceptions import HTTPError as _Urllib3Error
-from urllib3.exceptions import LocationParseError, SSLError
-from urllib3.exceptions import TimeoutError as _Timeout
 
 from .config import ConsulConfig
 from .errors import (
@@ -46,6 +41,7 @@ from .errors import (
     TxnOpError,
 )
 from .service import DEFAULT_KEY_PREFIX, SERVICE_PREFIX
+from .transport import AddressError, Pool, TLSError, TransportError, tls_context
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +253,7 @@ class Response:
     """One HTTP answer from Consul, read in full."""
 
     status_code: int
-    headers: Any  # urllib3's case-insensitive HTTPHeaderDict
+    headers: Any  # case-insensitive: http.client's HTTPMessage
     content: bytes
     url: str = ""  # the Consul base URL, for error messages
     what: str = ""  # "METHOD /path"
@@ -369,29 +365,20 @@ def _txn_conflict(resp: Response) -> ConsulTxnConflict:
     return ConsulTxnConflict(errors)
 
 
-def _pool(config: ConsulConfig, maxsize: int) -> urllib3.HTTPConnectionPool:
-    """A thread-safe keep-alive pool to the one Consul address of ``config``.
-
-    urllib3 directly, not requests: a request costs a node ~0.25 ms of CPU instead of ~0.6 ms
-    (docs/consul.md), and a thousand nodes on one machine heartbeat through here.
-    """
-    kwargs: dict[str, Any] = {"maxsize": maxsize, "block": False, "retries": False}
+def _pool(config: ConsulConfig, maxsize: int) -> Pool:
+    """A thread-safe keep-alive pool to the one Consul address of ``config``
+    (:mod:`consul_rdzv.transport`: the standard library's ``http.client``, a request at half
+    urllib3's CPU; docs/consul.md)."""
+    tls = None
     if config.url.startswith("https://"):
-        if config.verify is False:
-            kwargs.update(cert_reqs="CERT_NONE", assert_hostname=False)
-        else:
-            kwargs["cert_reqs"] = "CERT_REQUIRED"
-            if isinstance(config.verify, str):
-                if os.path.isdir(config.verify):
-                    kwargs["ca_cert_dir"] = config.verify
-                else:
-                    kwargs["ca_certs"] = config.verify
-            if config.tls_server_name:
-                kwargs["assert_hostname"] = config.tls_server_name
-                kwargs["server_hostname"] = config.tls_server_name
-        if config.client_cert:
-            kwargs["cert_file"], kwargs["key_file"] = config.client_cert
-    return urllib3.connection_from_url(config.url, **kwargs)
+        try:
+            tls = tls_context(config.verify, config.client_cert, config.tls_server_name)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConsulConfigError(
+                f"Cannot load the TLS files for Consul at {config.url}: {exc}. Check "
+                "CONSUL_CACERT/CONSUL_CAPATH and CONSUL_CLIENT_CERT/CONSUL_CLIENT_KEY."
+            ) from exc
+    return Pool(config.url, maxsize=maxsize, tls=tls, server_name=config.tls_server_name)
 
 
 #: Characters left as they are in a request path (what requests leaves unquoted).
@@ -432,7 +419,7 @@ class ConsulClient:
         self.retry_timeout = retry_timeout
         try:
             self._pool = _pool(self.config, pool_size)
-        except (LocationParseError, ValueError) as exc:
+        except AddressError as exc:
             raise ConsulConfigError(f"Invalid Consul URL {self.config.url!r}: {exc}") from exc
         self._headers = {"User-Agent": "consul-rdzv"}
         if self.config.token:
@@ -481,23 +468,20 @@ class ConsulClient:
         if raw is None and body is not None:
             raw = json.dumps(body).encode()
         read = read_timeout or self.timeout
-        timeout = urllib3.Timeout(connect=min(self.timeout, 5.0, read), read=read)
         code: int | None = None
         try:
-            answer = self._pool.urlopen(method, url, body=raw, headers=self._headers,
-                                        timeout=timeout, retries=False, redirect=False,
-                                        assert_same_host=False)
+            answer = self._pool.request(method, url, body=raw, headers=self._headers,
+                                        connect_timeout=min(self.timeout, 5.0, read),
+                                        read_timeout=read)
             code = answer.status
-            resp = Response(answer.status, answer.headers, answer.data, self.config.url, what)
-        except SSLError as exc:
+            resp = Response(answer.status, answer.headers, answer.body, self.config.url, what)
+        except TLSError as exc:
             raise ConsulConfigError(
                 f"TLS handshake with Consul at {self.config.url} failed for {what}: "
                 f"{_short(exc)}. Check CONSUL_CACERT/CONSUL_CAPATH, CONSUL_TLS_SERVER_NAME and "
                 "the client certificate (CONSUL_CLIENT_CERT/CONSUL_CLIENT_KEY)."
             ) from exc
-        except LocationParseError as exc:
-            raise ConsulConfigError(f"Invalid Consul URL {self.config.url!r}: {exc}") from exc
-        except (_Timeout, _Urllib3Error, OSError) as exc:
+        except TransportError as exc:
             raise ConsulUnavailableError(
                 f"Consul at {self.config.url} did not answer {what}: {_short(exc)}"
             ) from exc
@@ -804,11 +788,4 @@ def _check_value(key: str, value: bytes) -> None:
 
 
 def _short(exc: BaseException) -> str:
-    text = str(exc)
-    # urllib3 errors repeat the pool repr; keep the informative tail.
-    m = re.search(r"\(Caused by (.*)\)\)?$", text)
-    if m:
-        text = m.group(1)
-    text = re.sub(r"<[\w.]+ object at 0x[0-9a-f]+>: ", "", text)
-    text = re.sub(r"^HTTPS?Connection(Pool)?\(host=[^)]*\): ", "", text)
-    return text[:300]
+    return str(exc)[:300]

@@ -2,7 +2,7 @@
 
 With ``metrics_port`` set, each node serves ``/metrics`` over HTTP (port 0: any free port, logged)
 with the standard client library, ``prometheus-client`` (the optional extra
-``consul-rdzv[metrics]``: the package's runtime dependencies stay urllib3 alone). Without
+``consul-rdzv[metrics]``: the package itself has no runtime dependency). Without
 ``metrics_port`` nothing here runs and the library is never imported.
 
 Every metric carries the labels ``run_id`` and ``node_id`` (one value each per node); the other

@@ -17,7 +17,6 @@ import time
 import uuid
 
 import pytest
-import urllib3
 from rdzv_nodes import wait_for
 
 from consul_rdzv.client import (
@@ -943,11 +942,14 @@ def test_tls_client_succeeds_if_server_name_matches_certificate(tls_agent):
         client.close()
 
 
-def test_tls_client_succeeds_without_ca_if_verification_is_disabled(tls_agent):
-    client = tls_agent.client(ca_file=None, verify=False)
+def test_tls_client_succeeds_without_ca_if_verification_is_disabled(tls_agent, caplog):
+    with caplog.at_level(logging.WARNING, logger="consul_rdzv.transport"):
+        client = tls_agent.client(ca_file=None, verify=False)
     try:
-        with pytest.warns(urllib3.exceptions.InsecureRequestWarning):
-            assert client.status_leader()
+        assert client.status_leader()
+        warned = [r.getMessage() for r in caplog.records
+                  if r.name == "consul_rdzv.transport" and r.levelno >= logging.WARNING]
+        assert len(warned) == 1 and "verification is off" in warned[0], warned
     finally:
         client.close()
 

@@ -21,7 +21,8 @@ def test_all_lists_exactly_the_public_names():
     modules = {"agents", "client", "cli", "config", "errors", "examples", "health", "heartbeat",
                "history", "join", "keeper", "layout", "liveness", "metrics", "planning",
                "quarantine", "ranks", "registration", "rendezvous", "runs", "service",
-               "settings", "shared_query", "standing", "testing", "torch", "watch", "worker"}
+               "settings", "shared_query", "standing", "testing", "torch", "transport", "watch",
+               "worker"}
     assert set(consul_rdzv.__all__) == public - modules
     assert sorted(consul_rdzv.__all__) == consul_rdzv.__all__
 

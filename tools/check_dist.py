@@ -6,8 +6,8 @@
 The wheel must hold the package and its metadata, nothing else: every file tracked in git under
 ``consul_rdzv/`` (no more, no fewer), no test-only path (``tests/``, ``bench/``, ``conftest.py``,
 ``test_*.py``, ...), no byte code; its metadata must carry the version of
-``consul_rdzv.__version__``, the SPDX license with the LICENSE file, urllib3 as the only runtime
-dependency, the ``consul-rdzv`` script and the ``torchrun.handlers`` entry point ``consul``.
+``consul_rdzv.__version__``, the SPDX license with the LICENSE file, no runtime dependency, the
+``consul-rdzv`` script and the ``torchrun.handlers`` entry point ``consul``.
 
 The sdist must hold every file tracked in git (tests, docs, compose/, bench/, tools/consul, the
 Makefile: what a downstream packager needs to build, test and check the package), and no byte
@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "consul_rdzv"
 DIST_NAME = "consul_rdzv"  # the normalized distribution name in file names
 LICENSE_EXPRESSION = "Apache-2.0"
-#: Runtime dependencies (the project's rule: urllib3 only).
-RUNTIME_DEPENDENCIES = {"urllib3"}
+#: Runtime dependencies (none: the client runs on the standard library, docs/consul.md).
+RUNTIME_DEPENDENCIES: set[str] = set()
 ENTRY_POINTS = {
     "console_scripts": {"consul-rdzv": "consul_rdzv.cli:main"},
     "torchrun.handlers": {"consul": "consul_rdzv.torch:handler_factory"},
