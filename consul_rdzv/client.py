@@ -367,12 +367,12 @@ def _txn_conflict(resp: Response) -> ConsulTxnConflict:
 
 def _pool(config: ConsulConfig, maxsize: int) -> Pool:
     """A thread-safe keep-alive pool to the one Consul address of ``config``
-    (:mod:`consul_rdzv.transport`: the standard library's ``http.client``, a request at half
-    urllib3's CPU; docs/consul.md)."""
+    (:mod:`consul_rdzv.transport`: the standard library's ``http.client``, a request at about
+    two thirds of urllib3's CPU; docs/consul.md)."""
     tls = None
     if config.url.startswith("https://"):
         try:
-            tls = tls_context(config.verify, config.client_cert, config.tls_server_name)
+            tls = tls_context(config.verify, config.client_cert)
         except (OSError, ssl.SSLError) as exc:
             raise ConsulConfigError(
                 f"Cannot load the TLS files for Consul at {config.url}: {exc}. Check "

@@ -59,8 +59,7 @@ class Answer:
     body: bytes
 
 
-def tls_context(verify: bool | str, client_cert: tuple[str, str] | None,
-                server_name: str | None) -> ssl.SSLContext:
+def tls_context(verify: bool | str, client_cert: tuple[str, str] | None) -> ssl.SSLContext:
     """The TLS settings of one Consul address (``ssl`` errors for files it cannot load)."""
     if verify is False:
         context = ssl.create_default_context()
@@ -117,7 +116,7 @@ class Pool:
         self.port = port or (443 if parts.scheme == "https" else 80)
         self.https = parts.scheme == "https"
         self.maxsize = maxsize
-        self._tls = tls or (tls_context(True, None, None) if self.https else None)
+        self._tls = tls or (tls_context(True, None) if self.https else None)
         self._server_name = server_name
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
@@ -197,8 +196,8 @@ _TLS_EOF = (ssl.SSLEOFError, ssl.SSLZeroReturnError)
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError | socket.timeout):
-        return f"timed out ({exc})" if str(exc) else "timed out"
+    if isinstance(exc, TimeoutError):  # socket.timeout too
+        return "timed out"
     if isinstance(exc, http.client.RemoteDisconnected):
         return "the server closed the connection without an answer"
     text = str(exc) or type(exc).__name__

@@ -150,6 +150,14 @@ def test_an_address_that_cannot_be_connected_to_is_a_config_error():
         ConsulClient(ConsulConfig(url="unix:///tmp/consul.sock"))
 
 
+def test_tls_files_that_do_not_load_are_one_config_error_when_the_client_is_made(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not a certificate\n")
+    with pytest.raises(ConsulConfigError, match="Cannot load the TLS files") as info:
+        ConsulClient(ConsulConfig(url="https://127.0.0.1:8501", verify=str(ca)))
+    assert "CONSUL_CACERT" in str(info.value)
+
+
 def test_the_client_keeps_one_connection_per_thread_to_a_real_agent(agent, prefix, caplog):
     caplog.set_level(logging.DEBUG, logger="consul_rdzv.transport")
     client = ConsulClient(ConsulConfig(url=agent.url))
