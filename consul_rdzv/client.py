@@ -253,7 +253,7 @@ class Response:
     """One HTTP answer from Consul, read in full."""
 
     status_code: int
-    headers: Any  # case-insensitive: http.client's HTTPMessage
+    headers: Any  # transport.Headers: looked up by any case of the name
     content: bytes
     url: str = ""  # the Consul base URL, for error messages
     what: str = ""  # "METHOD /path"
@@ -367,8 +367,8 @@ def _txn_conflict(resp: Response) -> ConsulTxnConflict:
 
 def _pool(config: ConsulConfig, maxsize: int) -> Pool:
     """A thread-safe keep-alive pool to the one Consul address of ``config``
-    (:mod:`consul_rdzv.transport`: the standard library's ``http.client``, a request at about
-    two thirds of urllib3's CPU; docs/consul.md)."""
+    (:mod:`consul_rdzv.transport`: a request at well under half of urllib3's CPU;
+    docs/consul.md)."""
     tls = None
     if config.url.startswith("https://"):
         try:

@@ -1,15 +1,18 @@
 """The HTTP transport (consul_rdzv/transport.py): keep-alive reuse, stale connections, the idle
-bound, timeouts, a closed pool.
+bound, timeouts, a closed pool, the answer shapes it reads and the ones it refuses.
 
 The mechanics are checked against a small HTTP server of the test's own (what it does to a
-connection is what the test needs: answer and close, answer late); that connections are kept
-and reused against Consul is checked on a real dev agent.
+connection is what the test needs: answer and close, answer late) and canned answers written
+to a socket; that connections are kept and reused against Consul, and every answer Consul gives
+the client (chunked and not, errors, TLS), is checked on real dev agents (here and in
+tests/test_client.py).
 """
 
 from __future__ import annotations
 
 import http.server
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -141,6 +144,67 @@ def test_a_refused_connection_and_a_closed_pool_are_transport_errors():
     pool.close()
     with pytest.raises(TransportError, match="closed"):
         _get(pool, "/x")
+
+
+@contextmanager
+def _canned(*answers: bytes) -> Iterator[int]:
+    """A TCP server that reads one request head per answer and writes the answer as it is
+    (then closes the connection after the last): the answer shapes Consul's Go server sends."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn, conn.makefile("rb") as reader:
+            for answer in answers:
+                while reader.readline() not in (b"\r\n", b""):
+                    pass
+                conn.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        listener.close()
+        thread.join(5)
+
+
+def test_answer_shapes_chunked_continue_and_up_to_the_end_of_the_connection():
+    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Consul-Index: 7\r\n\r\n"
+               b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nTrailer: x\r\n\r\n")
+    continued = (b"HTTP/1.1 100 Continue\r\n\r\n"
+                 b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nVary: a\r\nVary: b\r\n\r\nok")
+    until_eof = b"HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
+    with _canned(chunked, continued, until_eof) as port:
+        pool = Pool(f"http://127.0.0.1:{port}")
+        first = pool.request("GET", "/a", body=None, headers={}, connect_timeout=5,
+                             read_timeout=5)
+        assert (first.status, first.body, first.headers.get("X-CONSUL-INDEX")) == \
+            (200, b"hello world", "7")
+        second = pool.request("PUT", "/b", body=b"{}", headers={}, connect_timeout=5,
+                              read_timeout=5)
+        assert (second.status, second.body, second.headers["vary"]) == (200, b"ok", "a, b")
+        third = pool.request("GET", "/c", body=None, headers={}, connect_timeout=5,
+                             read_timeout=5)
+        assert third.status == 400 and b"HTTPS server" in third.body
+        assert pool._idle == []  # read up to the end: that connection is not reused
+        pool.close()
+
+
+@pytest.mark.parametrize("answer, error", [
+    (b"SSH-2.0-OpenSSH_9.2\r\n", "not an HTTP answer"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "closed after 5 of 10"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
+    (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "malformed header"),
+    (b"", "closed the connection without an answer"),
+])
+def test_an_answer_that_is_not_well_formed_http_is_a_transport_error(answer, error):
+    with _canned(answer) as port:
+        pool = Pool(f"http://127.0.0.1:{port}")
+        with pytest.raises(TransportError, match=error):
+            _get(pool, "/x")
+        assert pool._idle == []
+        pool.close()
 
 
 def test_an_address_that_cannot_be_connected_to_is_a_config_error():
