@@ -41,7 +41,7 @@ from .errors import (
     TxnOpError,
 )
 from .service import DEFAULT_KEY_PREFIX, SERVICE_PREFIX
-from .transport import AddressError, Pool, TLSError, TransportError, tls_context
+from .transport import AddressError, Headers, Pool, TLSError, TransportError, tls_context
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ class Response:
     """One HTTP answer from Consul, read in full."""
 
     status_code: int
-    headers: Any  # transport.Headers: looked up by any case of the name
+    headers: Headers  # looked up by any case of the name
     content: bytes
     url: str = ""  # the Consul base URL, for error messages
     what: str = ""  # "METHOD /path"

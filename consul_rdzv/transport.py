@@ -38,7 +38,7 @@ import socket
 import ssl
 import threading
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, overload
 from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,13 @@ class AddressError(ValueError):
 class Headers(dict):
     """An answer's headers by lower-cased name; ``get`` and ``[]`` take any case."""
 
-    def get(self, name: str, default: str | None = None) -> str | None:  # type: ignore[override]
+    @overload  # type: ignore[override]
+    def get(self, name: str) -> str | None: ...
+
+    @overload
+    def get(self, name: str, default: str) -> str: ...
+
+    def get(self, name: str, default: str | None = None) -> str | None:
         return super().get(name.lower(), default)
 
     def __getitem__(self, name: str) -> str:
