@@ -13,9 +13,10 @@ What is patched here, and why (counting and loopback only; no rendezvous logic i
 * ``urllib3.PoolManager.urlopen`` counts every HTTP request of a python-etcd client (one
   ``PoolManager`` per client, so per node); requests made inside ``EtcdStore`` methods (the
   MASTER_ADDR/PORT bootstrap) are tagged ``store``, everything else ``rdzv``.
-* ``http.client.HTTPConnection.putrequest`` counts the HTTP requests of the whole process
-  (every backend: consul_rdzv's connections and urllib3's are both ``http.client``'s): a
-  cross-check of the per-node figures.
+* ``urllib3.HTTPConnectionPool.urlopen`` and, for a consul_rdzv whose client does not run on
+  urllib3 (its own HTTP transport), ``ConsulClient._request`` count the HTTP requests of the
+  whole process (every backend, every version ``--compare`` loads; never both for one
+  request): a cross-check of the per-node figures.
 * ``RendezvousStoreInfo.build`` counts the c10d bootstrap store operations per node.
 * ``ConsulClient._request`` and ``consul_rdzv.torch.TCPStore`` are timed (Consul latency per
   endpoint; the trainer-store connect inside the consul handler's ``next_rendezvous()``).
@@ -40,7 +41,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import http.client
 import json
 import logging
 import os
@@ -128,14 +128,14 @@ def install_hooks() -> None:
 
     urllib3.PoolManager.urlopen = pm_urlopen
 
-    original_putrequest = http.client.HTTPConnection.putrequest
+    original_cp_urlopen = urllib3.connectionpool.HTTPConnectionPool.urlopen
 
-    def putrequest(self, method, url, *args, **kw):
+    def cp_urlopen(self, method, url, *args, **kw):
         with _lock:
             WIRE[method] += 1
-        return original_putrequest(self, method, url, *args, **kw)
+        return original_cp_urlopen(self, method, url, *args, **kw)
 
-    http.client.HTTPConnection.putrequest = putrequest
+    urllib3.connectionpool.HTTPConnectionPool.urlopen = cp_urlopen
 
     if EtcdStore is not None:
         for name in ("set", "get", "add", "wait", "check", "compare_set", "multi_get",
@@ -191,11 +191,16 @@ def install_hooks() -> None:
     dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = \
         _create_tcp_store_server
 
+    from consul_rdzv import client as consul_client
     from consul_rdzv.client import ConsulClient
 
     original_request = ConsulClient._request
+    own_http = not hasattr(consul_client, "urllib3")  # (else cp_urlopen counts its requests)
 
     def _request(self, method, path, **kwargs):
+        if own_http:
+            with _lock:
+                WIRE[method] += 1
         t = time.monotonic()
         got = 0
         try:

@@ -141,11 +141,11 @@ class Pool:
             raise AddressError(f"invalid port ({exc})") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise AddressError("expected http(s)://host:port")
+        https = parts.scheme == "https"
         self.host = parts.hostname
-        self.port = port or (443 if parts.scheme == "https" else 80)
-        self.https = parts.scheme == "https"
+        self.port = port or (443 if https else 80)
         self.maxsize = maxsize
-        self._tls = tls or (tls_context(True, None) if self.https else None)
+        self._tls = tls or (tls_context(True, None) if https else None)
         self._server_name = server_name
         self._idle: list[_Connection] = []
         host = f"[{self.host}]" if ":" in self.host else self.host
