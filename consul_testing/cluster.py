@@ -24,6 +24,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 
@@ -490,6 +491,47 @@ class ConsulCluster:
                 m.start(timeout)
         self.wait_for_leader(timeout)
         self.wait_healthy(timeout)
+
+    def forget_services(self, timeout: float = 30.0) -> int:
+        """Deregister every service instance left on a member (by a killed node, or one whose
+        leave failed) and wait until the catalog holds none: return how many there were.
+
+        A test's killed node leaves its service behind: its check turns critical one TTL later
+        and the agent reaps it a minute after that. Each is a change the agent syncs to the
+        servers while holding the lock that every check pass on that agent needs (Consul 1.14
+        ``agent/local/state.go``: ``SyncChanges``), so when it falls in the next test's server
+        outage, that test's live nodes cannot pass their checks for as long as the sync waits
+        for a leader. Call between tests, with every member running and in contact.
+        """
+        deadline = time.monotonic() + timeout
+        left = 0
+        for m in self.members:
+            status, services = m.api("GET", "/v1/agent/services", timeout=5.0)
+            if status != 200:
+                raise RuntimeError(f"/v1/agent/services on {m.name}: {status} {services}")
+            for service_id in services:
+                left += 1
+                status, text = m.api("PUT", "/v1/agent/service/deregister/"
+                                     + urllib.parse.quote(service_id, safe=""), timeout=5.0)
+                if status != 200:
+                    raise RuntimeError(f"deregistering {service_id} on {m.name}: {status} {text}")
+        leader = self.wait_for_leader(max(1.0, deadline - time.monotonic()))
+        remaining: dict[str, list[str]] = {}
+        while True:
+            remaining = {}
+            for m in self.members:
+                _, checks = leader.api("GET", f"/v1/health/node/{m.name}", timeout=5.0)
+                ids = [c["CheckID"] for c in checks or () if c.get("ServiceID")]
+                _, node = leader.api("GET", f"/v1/catalog/node/{m.name}", timeout=5.0)
+                ids += [s for s in ((node or {}).get("Services") or {}) if s != "consul"]
+                if ids:
+                    remaining[m.name] = ids
+            if not remaining:
+                return left
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the catalog still holds services or checks within "
+                                   f"{timeout}s of their deregistration: {remaining}")
+            time.sleep(0.05)
 
     # -------------------------------------------------------------- observation
 

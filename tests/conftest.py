@@ -252,8 +252,10 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture
 def cluster(consul_cluster):
     """The shared cluster, healthy at the start of the test and restored after it (partitions
-    healed, members thawed and started again, a leader and every member alive)."""
+    healed, members thawed and started again, a leader and every member alive), with no
+    service instance of an earlier test left on any member (``forget_services``)."""
     consul_cluster.restore()
+    consul_cluster.forget_services()
     yield consul_cluster
     consul_cluster.restore()
 
