@@ -128,6 +128,28 @@ def test_cluster_starts_with_leader_and_every_member_alive_if_started(consul_clu
 
 
 @pytest.mark.timeout(60)
+def test_forget_services_leaves_no_service_or_check_on_any_member(consul_cluster):
+    """What a killed node leaves behind (a service with a TTL check, on a client agent and on a
+    server) is deregistered, and the catalog holds none of it when ``forget_services`` returns."""
+    c = consul_cluster
+    tag = uuid.uuid4().hex[:8]
+    left = {c.clients[0]: f"left-{tag}-a", c.servers[0]: f"left-{tag}-b"}
+    for member, service_id in left.items():
+        status, text = member.api("PUT", "/v1/agent/service/register", body={
+            "ID": service_id, "Name": service_id, "Check": {"TTL": "30s"}})
+        assert status == 200, text
+    assert c.forget_services() >= len(left)
+    for member, service_id in left.items():
+        _, services = member.api("GET", "/v1/agent/services")
+        assert service_id not in services
+        _, node = c.servers[1].api("GET", f"/v1/catalog/node/{member.name}")
+        assert service_id not in node["Services"]
+        _, checks = c.servers[1].api("GET", f"/v1/health/node/{member.name}")
+        assert [ch["CheckID"] for ch in checks if ch["ServiceID"]] == []
+    assert c.forget_services() == 0
+
+
+@pytest.mark.timeout(60)
 def test_cluster_kv_write_through_client_is_readable_on_every_server_if_written(cluster):
     key, value = f"harness/{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     client = cluster.clients[0].client()
