@@ -516,22 +516,31 @@ class ConsulCluster:
                 if status != 200:
                     raise RuntimeError(f"deregistering {service_id} on {m.name}: {status} {text}")
         leader = self.wait_for_leader(max(1.0, deadline - time.monotonic()))
-        remaining: dict[str, list[str]] = {}
-        while True:
-            remaining = {}
-            for m in self.members:
-                _, checks = leader.api("GET", f"/v1/health/node/{m.name}", timeout=5.0)
-                ids = [c["CheckID"] for c in checks or () if c.get("ServiceID")]
-                _, node = leader.api("GET", f"/v1/catalog/node/{m.name}", timeout=5.0)
-                ids += [s for s in ((node or {}).get("Services") or {}) if s != "consul"]
-                if ids:
-                    remaining[m.name] = ids
-            if not remaining:
-                return left
+        while remaining := self._services_in_catalog(leader):
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"the catalog still holds services or checks within "
                                    f"{timeout}s of their deregistration: {remaining}")
             time.sleep(0.05)
+        return left
+
+    def _services_in_catalog(self, observer: ClusterMember) -> dict[str, list[str]]:
+        """The service instances and service checks (not ``consul`` nor ``serfHealth``) that
+        ``observer``'s catalog holds, by member name; members that hold none are left out."""
+        held: dict[str, list[str]] = {}
+        for m in self.members:
+            status, checks = observer.api("GET", f"/v1/health/node/{m.name}", timeout=5.0)
+            if status != 200:
+                raise RuntimeError(f"/v1/health/node/{m.name} on {observer.name}: {status} "
+                                   f"{checks}")
+            ids = [c["CheckID"] for c in checks if c.get("ServiceID")]
+            status, node = observer.api("GET", f"/v1/catalog/node/{m.name}", timeout=5.0)
+            if status != 200:
+                raise RuntimeError(f"/v1/catalog/node/{m.name} on {observer.name}: {status} "
+                                   f"{node}")
+            ids += [s for s in ((node or {}).get("Services") or {}) if s != "consul"]
+            if ids:
+                held[m.name] = ids
+        return held
 
     # -------------------------------------------------------------- observation
 
