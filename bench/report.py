@@ -206,6 +206,41 @@ def cost_table(t: Table, scenario: str = "fixed") -> list[str]:
     return lines
 
 
+#: Worker threads by name (bench/worker.py ``_thread_cpu``), in the order of the table.
+THREAD_GROUPS = (
+    ("node", "node threads (`next_rendezvous()`)"),
+    ("consul-rdzv-watch", "round watch"),
+    ("(ended threads)", "ended threads (the meeting's helper)"),
+    ("consul-rdzv-keep", "keep-alive (check passes)"),
+)
+
+
+def thread_cpu_table(t: Table, scenario: str = "fixed") -> list[str]:
+    """consul's client CPU per node per round, by worker thread: where the client's share of a
+    CPU-bound round goes. Medians over the runs of one N; ``other`` is every other thread."""
+    runs = t.runs.get((scenario, "consul", "spread", None), {})
+    head = ["N", "client CPU ms per node"] + [label for _, label in THREAD_GROUPS] + ["other"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in t.sizes(scenario):
+        rows = [r for r in runs.get(n, [])
+                if r.get("status") == "ok" and r.get("thread_cpu_s") and r.get("client_cpu_s")]
+        if not rows:
+            continue
+        known = [g for g, _ in THREAD_GROUPS]
+        cells = [f"{statistics.median(r['client_cpu_s'] for r in rows) / n * 1000:.2f}"]
+        for group in known:
+            spent = statistics.median(r["thread_cpu_s"].get(group, 0.0) for r in rows)
+            cells.append(f"{spent / n * 1000:.2f}")
+        other = statistics.median(sum(v for k, v in r["thread_cpu_s"].items() if k not in known)
+                                  for r in rows)
+        cells.append(f"{other / n * 1000:.2f}")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    if len(lines) == 2:
+        return []
+    lines.append("")
+    return lines
+
+
 def consul_http_table(t: Table, scenario: str = "fixed") -> list[str]:
     key = (scenario, "consul", "spread", None)
     if key not in t.runs:
@@ -463,6 +498,9 @@ def render(path: Path) -> str:
     out += section("CPU per node per round (spread layout; client = all worker processes, "
                    "server = the consul agent, the TCPStore server process or etcd; medians):",
                    cost_table(t, "fixed"))
+    out += section("consul's client CPU per node by worker thread (fixed, spread layout; CPU "
+                   "seconds of each thread from /proc between the workers' `ready` and the "
+                   "end of the round, ms per node, medians):", thread_cpu_table(t, "fixed"))
     out += section("Requests per node per round (median / max over the nodes; spread layout):",
                    requests_table(t, "fixed"))
     out += section("### training: `num_nodes_waiting()` polled on every node at 0.1 s "

@@ -587,6 +587,9 @@ class Run:
         rec[f"{prefix}node_latency"] = _stats([r["t_end"] - t0 for r in ok])
         rec[f"{prefix}call_latency"] = _stats([r["t_end"] - r["t_start"] for r in ok])
         rec[f"{prefix}requests"] = _stats([r["requests"] for r in ok])
+        node_cpu = [r["thread_cpu_s"] for r in ok if r.get("thread_cpu_s") is not None]
+        if node_cpu:  # the CPU of the threads that called next_rendezvous(), summed over nodes
+            rec[f"{prefix}node_thread_cpu_s"] = round(sum(node_cpu), 4)
         ops = Counter()
         for r in ok:
             ops.update(r.get("ops") or {})
@@ -629,9 +632,9 @@ class Run:
         live = [w for w in self.workers if w[0].is_alive()]
         self._send(("cpu",), live)
         self._pump(lambda: len(self.cpus) >= len(live), _now() + 30)
-        if self.thread_cpu:  # since the workers started (handler creation included)
+        if self.thread_cpu:  # since the workers were ready, as client_cpu_s
             rec[f"{prefix}thread_cpu_s"] = dict(sorted(
-                ((k, round(v, 2)) for k, v in self.thread_cpu.items()), key=lambda kv: -kv[1]))
+                ((k, round(v, 3)) for k, v in self.thread_cpu.items()), key=lambda kv: -kv[1]))
         before = {pid: m["cpu"] for pid, m in self.ready.items()}
         spent = [cpu - before[pid] for pid, cpu in self.cpus.items() if pid in before]
         if spent:

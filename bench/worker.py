@@ -341,6 +341,7 @@ def _round(node: Node, phase: int, out) -> None:
     before = node.counts()
     node.bootstrap_ops = 0
     _tls.announced = None
+    c0 = time.thread_time()
     t0 = time.monotonic()
     rec = {"type": "result", "idx": node.idx, "phase": phase, "pid": os.getpid(),
            "t_start": t0, "wall_start": time.time(), "cause": node.rejoin_cause,
@@ -349,6 +350,7 @@ def _round(node: Node, phase: int, out) -> None:
         info = node.handler.next_rendezvous()
         t1 = time.monotonic()
         rec["wall_end"] = time.time()
+        rec["thread_cpu_s"] = time.thread_time() - c0  # this node's thread alone
         node.infos.append(info)  # keep the stores alive
         ops = node.counts() - before
         rec.update(ok=True, t_end=t1, rank=int(info.rank), world=int(info.world_size),
@@ -376,13 +378,28 @@ def _round(node: Node, phase: int, out) -> None:
     out.put(rec)
 
 
+PROFILE_ENV = "BENCH_PROFILE_DIR"
+"""When set, every node's first round runs under cProfile (thread CPU time) and its stats go to
+``$BENCH_PROFILE_DIR/<pid>-<node>.prof``: ``python -m pstats`` or :mod:`pstats` sums them."""
+
+
 def _node_thread(node: Node, go: threading.Event, start: list[float], out) -> None:
     _tls.node = node
     go.wait()
     delay = start[0] - time.monotonic()  # one instant for every node (bench.run.START_LEAD)
     if delay > 0:
         time.sleep(delay)
-    _round(node, 1, out)
+    profile_dir = os.environ.get(PROFILE_ENV)
+    if profile_dir:  # opt-in: where the first round's client CPU goes, one file per node
+        import cProfile  # cProfile profiles the calling thread only, so each node its own
+
+        prof = cProfile.Profile(time.thread_time)
+        prof.enable()
+        _round(node, 1, out)
+        prof.disable()
+        prof.dump_stats(os.path.join(profile_dir, f"{os.getpid()}-{node.idx}.prof"))
+    else:
+        _round(node, 1, out)
     while True:
         item = node.phases.get()
         if item is None or node.killed:
@@ -486,24 +503,42 @@ def _cpu() -> float:
     return t.user + t.system
 
 
-def _thread_cpu() -> dict[str, float]:
-    """CPU seconds of this process's threads since they started, grouped by name without the
-    node id (``consul-rdzv-pass``, ``node``, ...): where a loaded worker's CPU goes. Threads
-    that already ended are one line, ``(ended threads)``."""
-    tick = os.sysconf("SC_CLK_TCK")
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    groups: Counter = Counter()
+_THREADS0: dict[int, float] = {}  # CPU seconds per thread id at "ready" (_thread_cpu_mark)
+_CPU0 = [0.0]
+
+
+def _thread_cpu_now() -> dict[int, float]:
+    """CPU seconds of each live thread of this process, from /proc (nanoseconds: ``stat``'s
+    clock ticks of 10 ms would round a node's few milliseconds to nothing)."""
+    now: dict[int, float] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            ns = Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0]
+        except (OSError, IndexError):
             continue
-        name = names.get(int(tid), "(threads of torch/libuv)")
+        now[int(tid)] = int(ns) / 1e9
+    return now
+
+
+def _thread_cpu_mark() -> None:
+    _THREADS0.clear()
+    _THREADS0.update(_thread_cpu_now())
+    _CPU0[0] = _cpu()
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads since ``ready`` (:func:`_thread_cpu_mark`), grouped
+    by name without the node id (``consul-rdzv-watch``, ``node``, ...): where a loaded worker's
+    CPU goes. Threads that ended since are one line, ``(ended threads)``."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    groups: Counter = Counter()
+    for tid, sec in _thread_cpu_now().items():
+        name = names.get(tid, "(threads of torch/libuv)")
         group = name.rsplit("-n", 1)[0] if name.startswith("consul-rdzv-") else name
         group = group.rstrip("0123456789").rstrip("-") or group
-        groups[group] += (int(fields[11]) + int(fields[12])) / tick
-    groups["(ended threads)"] = max(0.0, _cpu() - sum(groups.values()))
-    return {k: round(v, 2) for k, v in groups.items() if v >= 0.005}
+        groups[group] += sec - _THREADS0.get(tid, 0.0)
+    groups["(ended threads)"] = max(0.0, _cpu() - _CPU0[0] - sum(groups.values()))
+    return {k: round(v, 4) for k, v in groups.items() if v >= 0.0005}
 
 
 def main(spec: dict, conn, go_mp, start_mp, out) -> None:
@@ -559,6 +594,7 @@ def main(spec: dict, conn, go_mp, start_mp, out) -> None:
     threading.Thread(target=relay, daemon=True, name="go-relay").start()
     if spec.get("term_victim"):
         signal.signal(signal.SIGTERM, _raise_signal_exception)
+    _thread_cpu_mark()
     out.put({"type": "ready", "pid": os.getpid(), "nodes": {n.idx: n.name for n in nodes},
              "cpu": _cpu(), "files": compare.loaded_files() if backend == "consul" else {},
              "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0]})

@@ -102,3 +102,18 @@ def test_report_shows_the_last_nodes_segments_and_the_agents_cost_per_node(tmp_p
     both = render_comparison([a], [b])
     assert "| 2 | A old | 4 | 3 | 3 | 13 | 5 | 10 |" in both
     assert "| 2 | B new | 2 | 2 | 2 | 2 | 0 | 2 |" in both
+
+
+def test_report_splits_the_client_cpu_per_node_by_worker_thread(tmp_path):
+    path = tmp_path / "cpu.jsonl"
+    _write_run(path, "new", [[1, 3, 5, 6, 8, 9, 10], [1, 2, 5, 7, 9, 9, 11]], raft=3)
+    lines = path.read_text().splitlines()
+    run = json.loads(lines[1])
+    # 2 nodes: 10 ms of client CPU, 6 in the node threads, 1 in the watch, 2 in ended threads,
+    # 0.4 in the keep-alive, 0.6 in two other threads
+    run.update(client_cpu_s=0.010, thread_cpu_s={
+        "node": 0.006, "consul-rdzv-watch": 0.001, "(ended threads)": 0.002,
+        "consul-rdzv-keep": 0.0004, "MainThread": 0.0004, "QueueFeederThread": 0.0002})
+    path.write_text(lines[0] + "\n" + json.dumps(run) + "\n")
+    text = render(path)
+    assert "| 2 | 5.00 | 3.00 | 0.50 | 1.00 | 0.20 | 0.30 |" in text
