@@ -523,7 +523,7 @@ def _thread_cpu_now() -> dict[int, float]:
 def _thread_cpu_mark() -> None:
     _THREADS0.clear()
     _THREADS0.update(_thread_cpu_now())
-    _CPU0[0] = _cpu()
+    _CPU0[0] = time.process_time()  # nanoseconds too, ended threads included
 
 
 def _thread_cpu() -> dict[str, float]:
@@ -537,7 +537,7 @@ def _thread_cpu() -> dict[str, float]:
         group = name.rsplit("-n", 1)[0] if name.startswith("consul-rdzv-") else name
         group = group.rstrip("0123456789").rstrip("-") or group
         groups[group] += sec - _THREADS0.get(tid, 0.0)
-    groups["(ended threads)"] = max(0.0, _cpu() - _CPU0[0] - sum(groups.values()))
+    groups["(ended threads)"] = max(0.0, time.process_time() - _CPU0[0] - sum(groups.values()))
     return {k: round(v, 4) for k, v in groups.items() if v >= 0.0005}
 
 
