@@ -34,6 +34,12 @@ logger = logging.getLogger(__name__)
 #: when a heartbeat suggests that it reaches several.
 AGENT_LOOKS = 4
 
+#: How many looks, each on a new connection, follow a process's first registration. A balancer
+#: sends each new connection (or request) to the next agent, but other nodes' connections in
+#: between can bring one look back to the agent that holds the check: a second look makes that
+#: luck rarer, at one agent-local request more per process.
+FIRST_LOOKS = 2
+
 
 class AgentLooks:
     """Looks at the agent(s) behind one node's endpoint (see the module docstring)."""
@@ -119,13 +125,21 @@ class AgentLooks:
         return None
 
     def first_look(self, deadline: float) -> str | None:
-        """Right after the first registration, one look on a new connection: on one agent it
-        finds the service just registered, and that is all (one agent-local request, once per
-        process). If it does not, look on (:meth:`spread`), and last through the connection it
-        was registered through."""
-        if self.fresh_look() is not False:
+        """Right after the first registration, :data:`FIRST_LOOKS` looks, each on a new
+        connection: on one agent they find the service just registered, and that is all
+        (agent-local requests, once per process). If one does not, look on (:meth:`spread`),
+        and last through the connection it was registered through."""
+        held: list[bool] = []
+        for _ in range(FIRST_LOOKS):
+            answer = self.fresh_look()
+            if answer is None:
+                return None  # inconclusive: says nothing
+            held.append(answer)
+            if not answer:
+                break
+        if all(held):
             return None
-        detail = self.spread(deadline, held=[False])
+        detail = self.spread(deadline, held=held)
         if detail is None and self.holds_us():
             detail = (f"a new connection reached an agent that does not know node "
                       f"{self.node_id}'s service and TTL check, registered a moment before "

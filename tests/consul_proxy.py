@@ -263,3 +263,59 @@ class RoundRobinProxy:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class RoutingProxy:
+    """An HTTP balancer in front of several Consul agents whose ``route(method, path)`` picks
+    the upstream (an index into ``upstreams``) of each request: the luck of a round robin
+    (other clients' requests in between) written down, so that a test can replay it.
+
+        with RoutingProxy([s.url for s in cluster.servers], lambda method, path: 0) as lb:
+            client = ConsulClient(ConsulConfig.resolve(address=lb.url, env={}))
+
+    ``routed`` lists ``(method, path, index)`` of every request, in order.
+    """
+
+    def __init__(self, upstreams: list[str], route: Callable[[str, str], int]) -> None:
+        if not upstreams:
+            raise ValueError("RoutingProxy needs at least one upstream")
+        self.upstreams = [u.rstrip("/") for u in upstreams]
+        self.route = route
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.address}"
+        self.routed: list[tuple[str, str, int]] = []
+        self._lock = threading.Lock()
+        self._request = threading.local()  # one handler thread per connection: its request
+        self._pool = urllib3.PoolManager(maxsize=64, retries=False)
+        self._server: http.server.ThreadingHTTPServer | None = None
+
+    def _before(self, method: str, path: str) -> None:
+        self._request.current = (method, path)
+
+    def _pick(self) -> str:
+        method, path = self._request.current
+        with self._lock:
+            index = self.route(method, path)
+            self.routed.append((method, path, index))
+        return self.upstreams[index]
+
+    def start(self) -> RoutingProxy:
+        self._server = _forwarding_server(self.port, self._pool, self._pick,
+                                          before=self._before)
+        threading.Thread(target=self._server.serve_forever, daemon=True,
+                         name=f"routing-{self.port}").start()
+        return self
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        self._pool.clear()
+
+    def __enter__(self) -> RoutingProxy:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import logging
 import os
 import shutil
@@ -31,7 +32,7 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from consul_proxy import RoundRobinProxy
+from consul_proxy import RoundRobinProxy, RoutingProxy
 from rdzv_nodes import HB, Cluster, assert_round_ok, figure, one, ranks_of, stays, wait_for
 
 from consul_rdzv.client import ConsulClient
@@ -930,6 +931,45 @@ def test_load_balancer_over_the_servers_is_refused_at_start_with_the_reason(clus
     figure(f"balancer per {per} over 3 servers: 3 of 3 nodes refused with the reason after "
            f"{', '.join(f'{t:.2f}s' for t in times)}, no round formed; the error: "
            f"{str(outcomes['n0'][1])[:240]}...")
+
+
+@pytest.mark.timeout(120)
+def test_a_lucky_first_look_does_not_let_a_node_behind_a_balancer_in(cluster, cluster_nodes):
+    """The luck of a round-robin balancer shared by several nodes, replayed: every request of
+    the node reaches the server it registered on (its heartbeats pass), and so does its first
+    look at the agent, because other nodes' requests came in between; its next looks go round
+    the servers. One look let such a node form a round and train until a later connection
+    landed elsewhere (a CI run saw it with three nodes behind the per-request balancer); the
+    second look of the registration finds an agent without the node's check, the looks go on
+    until one with it answers after it, and the node is refused before any round forms."""
+    looks = itertools.count()
+    servers = [s.url for s in cluster.servers]
+
+    def route(method: str, path: str) -> int:
+        if method == "GET" and path.startswith("/v1/agent/service/"):
+            return next(looks) % len(servers)
+        return 0
+
+    settings = cluster_nodes.settings(min_nodes=1, max_nodes=1, heartbeat_timeout=HB,
+                                      consul_timeout=10.0, join_timeout=30.0)
+    with RoutingProxy(servers, route) as lb:
+        node = cluster_nodes.node("n0", settings, client=ConsulClient(
+            ConsulConfig.resolve(address=lb.url, env={}), retry_timeout=settings.consul_timeout))
+        future = cluster_nodes.start([node])["n0"]
+        try:
+            outcome: object = future.result(timeout=60)
+        except RendezvousError as exc:
+            outcome = exc
+    assert isinstance(outcome, RendezvousConnectionError), outcome
+    assert SEVERAL_AGENTS in str(outcome), outcome
+    assert node.registration.misconfigured is not None
+    agent_looks = [index for method, path, index in lb.routed
+                   if path.startswith("/v1/agent/service/")]
+    assert agent_looks[0] == 0 and len(set(agent_looks)) > 1, lb.routed
+    assert not cluster_nodes.members(), "a refused node's member key stayed"
+    assert cluster_nodes.current_round() is None, "a round formed through the balancer"
+    figure(f"balancer whose first look lands on the node's own agent: refused after "
+           f"{len(agent_looks)} looks at agents {agent_looks}, no round formed")
 
 
 @pytest.mark.timeout(120)
