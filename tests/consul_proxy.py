@@ -30,12 +30,13 @@ from consul_rdzv.testing import free_port
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 
 
-def _forwarding_server(port: int, pool: urllib3.PoolManager, upstream: Callable[[], str], *,
+def _forwarding_server(port: int, pool: urllib3.PoolManager, upstream: Callable[[str, str], str],
+                       *,
                        before: Callable[[str, str], None] | None = None,
                        after: Callable[[str], None] | None = None,
                        ) -> http.server.ThreadingHTTPServer:
     """An HTTP/1.1 server on 127.0.0.1:``port`` that forwards every request as it is (method,
-    path, query, headers, body) to ``upstream()`` and sends its answer back.
+    path, query, headers, body) to ``upstream(method, path)`` and sends its answer back.
 
     ``before(method, path)`` runs once the request is read, before it is forwarded;
     ``after(path)`` once the answer is in, before it is sent (the faults of ConsulProxy).
@@ -52,7 +53,8 @@ def _forwarding_server(port: int, pool: urllib3.PoolManager, upstream: Callable[
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_HEADERS}
             try:
                 answer = pool.urlopen(
-                    self.command, upstream() + self.path, body=body, headers=headers,
+                    self.command, upstream(self.command, self.path) + self.path, body=body,
+                    headers=headers,
                     redirect=False, preload_content=True,
                     timeout=urllib3.Timeout(connect=5, read=400))
             except urllib3.exceptions.HTTPError as exc:
@@ -130,7 +132,7 @@ class ConsulProxy:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> ConsulProxy:
-        self._server = _forwarding_server(self.port, self._pool, lambda: self.upstream,
+        self._server = _forwarding_server(self.port, self._pool, lambda method, path: self.upstream,
                                           before=self._before, after=self._after)
         self._server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         threading.Thread(target=self._server.serve_forever, daemon=True,
@@ -160,12 +162,19 @@ class RoundRobinProxy:
         with RoundRobinProxy([s.url for s in cluster.servers]) as lb:
             client = ConsulClient(ConsulConfig.resolve(address=lb.url, env={}))
 
-    ``counts`` tells how many connections or requests each upstream got.
+    ``counts`` tells how many connections or requests each upstream got; ``routed`` lists
+    ``(method, path, index)`` of each (method and path empty per connection). With
+    ``route(method, path) -> index`` (per request only), that picks the upstream of each request
+    instead of the turn: the luck of a round robin shared with other clients, written down so
+    that a test can replay it.
     """
 
-    def __init__(self, upstreams: list[str], *, per: str = "connection") -> None:
+    def __init__(self, upstreams: list[str], *, per: str = "connection",
+                 route: Callable[[str, str], int] | None = None) -> None:
         if per not in ("connection", "request"):
             raise ValueError(f"per must be 'connection' or 'request', not {per!r}")
+        if route is not None and per != "request":
+            raise ValueError("route picks the upstream of each request: use it with per='request'")
         if not upstreams:
             raise ValueError("RoundRobinProxy needs at least one upstream")
         self.upstreams = [u.rstrip("/") for u in upstreams]
@@ -173,7 +182,9 @@ class RoundRobinProxy:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.url = f"http://{self.address}"
+        self.route = route
         self.counts: Counter[str] = Counter()
+        self.routed: list[tuple[str, str, int]] = []
         self._next = 0
         self._lock = threading.Lock()
         self._pool = urllib3.PoolManager(maxsize=256, retries=False)
@@ -181,11 +192,16 @@ class RoundRobinProxy:
         self._server: http.server.ThreadingHTTPServer | None = None
         self._sockets: set[socket.socket] = set()
 
-    def _pick(self) -> str:
+    def _pick(self, method: str = "", path: str = "") -> str:
         with self._lock:
-            upstream = self.upstreams[self._next % len(self.upstreams)]
-            self._next += 1
+            if self.route is not None:
+                index = self.route(method, path)
+            else:
+                index = self._next % len(self.upstreams)
+                self._next += 1
+            upstream = self.upstreams[index]
             self.counts[upstream] += 1
+            self.routed.append((method, path, index))
             return upstream
 
     # ------------------------------------------------------------------ per connection
@@ -264,58 +280,3 @@ class RoundRobinProxy:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-class RoutingProxy:
-    """An HTTP balancer in front of several Consul agents whose ``route(method, path)`` picks
-    the upstream (an index into ``upstreams``) of each request: the luck of a round robin
-    (other clients' requests in between) written down, so that a test can replay it.
-
-        with RoutingProxy([s.url for s in cluster.servers], lambda method, path: 0) as lb:
-            client = ConsulClient(ConsulConfig.resolve(address=lb.url, env={}))
-
-    ``routed`` lists ``(method, path, index)`` of every request, in order.
-    """
-
-    def __init__(self, upstreams: list[str], route: Callable[[str, str], int]) -> None:
-        if not upstreams:
-            raise ValueError("RoutingProxy needs at least one upstream")
-        self.upstreams = [u.rstrip("/") for u in upstreams]
-        self.route = route
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.url = f"http://{self.address}"
-        self.routed: list[tuple[str, str, int]] = []
-        self._lock = threading.Lock()
-        self._request = threading.local()  # one handler thread per connection: its request
-        self._pool = urllib3.PoolManager(maxsize=64, retries=False)
-        self._server: http.server.ThreadingHTTPServer | None = None
-
-    def _before(self, method: str, path: str) -> None:
-        self._request.current = (method, path)
-
-    def _pick(self) -> str:
-        method, path = self._request.current
-        with self._lock:
-            index = self.route(method, path)
-            self.routed.append((method, path, index))
-        return self.upstreams[index]
-
-    def start(self) -> RoutingProxy:
-        self._server = _forwarding_server(self.port, self._pool, self._pick,
-                                          before=self._before)
-        threading.Thread(target=self._server.serve_forever, daemon=True,
-                         name=f"routing-{self.port}").start()
-        return self
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        self._pool.clear()
-
-    def __enter__(self) -> RoutingProxy:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -32,7 +32,7 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from consul_proxy import RoundRobinProxy, RoutingProxy
+from consul_proxy import RoundRobinProxy
 from rdzv_nodes import HB, Cluster, assert_round_ok, figure, one, ranks_of, stays, wait_for
 
 from consul_rdzv.client import ConsulClient
@@ -952,7 +952,7 @@ def test_a_lucky_first_look_does_not_let_a_node_behind_a_balancer_in(cluster, cl
 
     settings = cluster_nodes.settings(min_nodes=1, max_nodes=1, heartbeat_timeout=HB,
                                       consul_timeout=10.0, join_timeout=30.0)
-    with RoutingProxy(servers, route) as lb:
+    with RoundRobinProxy(servers, per="request", route=route) as lb:
         node = cluster_nodes.node("n0", settings, client=ConsulClient(
             ConsulConfig.resolve(address=lb.url, env={}), retry_timeout=settings.consul_timeout))
         future = cluster_nodes.start([node])["n0"]
